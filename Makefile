@@ -1,0 +1,39 @@
+# Every target installs what it needs into .venv first: a fresh clone needs only python3 (>= 3.11).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint typecheck check demo bench bench-smoke clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff format --check src tests bench
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+check: lint typecheck test
+
+demo: $(STAMP)
+	$(PY) -m toolpool demo
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+bench-smoke: $(STAMP)
+	$(PY) bench/run.py --smoke
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,60 @@
+"""What both sides of toolpool share: cancel causes and signals, outcomes, errors.
+
+A leaf: stdlib only (anyio is imported lazily by ``CancelSignal.wait``).
+"""
+
+from ._causes import CALLER_KINDS, RUNTIME_KINDS, CancelCause, CauseKind, validate_cause
+from ._errors import (
+    AbortError,
+    ConfigurationError,
+    PoolClosedError,
+    RemoteProtocolError,
+    ToolDenied,
+    ToolpoolError,
+    UnknownToolError,
+    WorkerLost,
+    WorkerStartError,
+)
+from ._outcomes import (
+    ABORT_ERROR_NAME,
+    ABORTED_BEFORE_DISPATCH_TEXT,
+    ABORTED_TEXT,
+    BODY_STARTED,
+    Outcome,
+)
+from ._signals import (
+    CallbackHandle,
+    CancelController,
+    CancelSignal,
+    Fusion,
+    cancel_with_runtime_cause,
+    fuse,
+)
+
+__all__ = (
+    "ABORTED_BEFORE_DISPATCH_TEXT",
+    "ABORTED_TEXT",
+    "ABORT_ERROR_NAME",
+    "BODY_STARTED",
+    "CALLER_KINDS",
+    "RUNTIME_KINDS",
+    "AbortError",
+    "CallbackHandle",
+    "CancelCause",
+    "CancelController",
+    "CancelSignal",
+    "CauseKind",
+    "ConfigurationError",
+    "Fusion",
+    "Outcome",
+    "PoolClosedError",
+    "RemoteProtocolError",
+    "ToolDenied",
+    "ToolpoolError",
+    "UnknownToolError",
+    "WorkerLost",
+    "WorkerStartError",
+    "cancel_with_runtime_cause",
+    "fuse",
+    "validate_cause",
+)

@@ -1,0 +1,347 @@
+"""Wire messages between the supervisor and a worker, and their strict codec.
+
+A leaf: stdlib and msgpack only. Every frame is one msgpack array whose first element names
+the message type. Frames from a worker are untrusted (CONTRACT C7): :func:`decode_from_worker`
+enforces size and shape limits and raises :class:`ProtocolViolation` on anything else.
+See ``docs/protocol.md`` for the specification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Final, TypeAlias
+
+import msgpack
+
+__all__ = (
+    "DEFAULT_MAX_FRAME",
+    "OUTCOME_NAMES",
+    "PROTOCOL_VERSION",
+    "Call",
+    "Cancel",
+    "CancelAck",
+    "Fatal",
+    "Hello",
+    "Ping",
+    "Pong",
+    "ProtocolViolation",
+    "Result",
+    "Shutdown",
+    "Started",
+    "SupervisorMessage",
+    "WorkerMessage",
+    "decode_from_supervisor",
+    "decode_from_worker",
+    "encode",
+    "pack_value",
+    "unpack_value",
+)
+
+#: The wire protocol's version; separate from the package version.
+PROTOCOL_VERSION: Final = 1
+
+#: Default cap on one frame, in bytes (enforced by ZMQ_MAXMSGSIZE and again here).
+DEFAULT_MAX_FRAME: Final = 64 * 1024 * 1024
+
+#: Outcomes a worker may report (``killed`` and ``worker_lost`` are the supervisor's to say).
+OUTCOME_NAMES: Final = frozenset(
+    {"ok", "error", "denied", "aborted_before_dispatch", "aborted", "timeout"}
+)
+_CAUSE_KINDS: Final = frozenset({"user", "parent", "disposed", "timeout"})
+_MAX_ID: Final = 2**63 - 1
+_MAX_TEXT: Final = 64 * 1024
+_MAX_NAME: Final = 256
+
+
+class ProtocolViolation(ValueError):
+    """A frame broke the protocol: undecodable, oversized, unknown type or wrong shape."""
+
+
+# --------------------------------------------------------------------------- messages
+# Worker -> supervisor
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """First message of a worker: who it is and which tools it provides."""
+
+    version: int
+    pid: int
+    secret: bytes
+    tools: list[dict[str, Any]]
+    TYPE: ClassVar[str] = "hello"
+
+    def fields(self) -> list[Any]:
+        return [self.version, self.pid, self.secret, self.tools]
+
+
+@dataclass(frozen=True, slots=True)
+class Fatal:
+    """The worker could not start (e.g. the tools module failed to import)."""
+
+    secret: bytes
+    error: str
+    TYPE: ClassVar[str] = "fatal"
+
+    def fields(self) -> list[Any]:
+        return [self.secret, self.error]
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """Sent immediately before the body of call ``call_id`` is invoked."""
+
+    call_id: int
+    TYPE: ClassVar[str] = "started"
+
+    def fields(self) -> list[Any]:
+        return [self.call_id]
+
+
+@dataclass(frozen=True, slots=True)
+class CancelAck:
+    """The worker received the cancel for ``call_id`` and cancelled its signal."""
+
+    call_id: int
+    TYPE: ClassVar[str] = "cancel_ack"
+
+    def fields(self) -> list[Any]:
+        return [self.call_id]
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """The settled result of call ``call_id``. ``value`` is the msgpack-packed value (or None)."""
+
+    call_id: int
+    outcome: str
+    value: bytes | None
+    error: str | None
+    error_name: str | None
+    body_started: bool
+    context: dict[str, Any] = field(default_factory=dict)
+    TYPE: ClassVar[str] = "result"
+
+    def fields(self) -> list[Any]:
+        return [
+            self.call_id,
+            self.outcome,
+            self.value,
+            self.error,
+            self.error_name,
+            self.body_started,
+            self.context,
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    """Answer to :class:`Ping`, echoing its nonce."""
+
+    nonce: int
+    TYPE: ClassVar[str] = "pong"
+
+    def fields(self) -> list[Any]:
+        return [self.nonce]
+
+
+# Supervisor -> worker
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Run tool ``tool`` with ``args`` (a packed msgpack map) as call ``call_id``."""
+
+    call_id: int
+    tool: str
+    args: bytes
+    TYPE: ClassVar[str] = "call"
+
+    def fields(self) -> list[Any]:
+        return [self.call_id, self.tool, self.args]
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Cancel call ``call_id`` with ``cause`` (``{"kind": ...}``)."""
+
+    call_id: int
+    cause: str
+    TYPE: ClassVar[str] = "cancel"
+
+    def fields(self) -> list[Any]:
+        return [self.call_id, {"kind": self.cause}]
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Liveness probe; the worker answers :class:`Pong` even while a body runs."""
+
+    nonce: int
+    TYPE: ClassVar[str] = "ping"
+
+    def fields(self) -> list[Any]:
+        return [self.nonce]
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Exit when idle (no call is running)."""
+
+    TYPE: ClassVar[str] = "shutdown"
+
+    def fields(self) -> list[Any]:
+        return []
+
+
+WorkerMessage: TypeAlias = Hello | Fatal | Started | CancelAck | Result | Pong
+SupervisorMessage: TypeAlias = Call | Cancel | Ping | Shutdown
+
+
+# --------------------------------------------------------------------------- codec
+
+
+def encode(message: WorkerMessage | SupervisorMessage) -> bytes:
+    """Encode one message as one frame."""
+    return msgpack.packb([message.TYPE, *message.fields()], use_bin_type=True)
+
+
+def pack_value(value: Any) -> bytes:
+    """Pack a value (arguments, a result value) as msgpack; raises TypeError if it cannot."""
+    try:
+        return msgpack.packb(value, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(f"not serializable with msgpack: {exc}") from None
+
+
+def _unpack(frame: bytes, max_len: int) -> Any:
+    if len(frame) > max_len:
+        raise ProtocolViolation(f"frame of {len(frame)} bytes exceeds the limit of {max_len}")
+    try:
+        return msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=max_len,
+            max_bin_len=max_len,
+            max_array_len=min(max_len, 1 << 20),
+            max_map_len=min(max_len, 1 << 20),
+            max_ext_len=0,
+            ext_hook=_reject_ext,
+        )
+    except ProtocolViolation:
+        raise
+    except Exception as exc:  # msgpack raises many types: ExtraData, StackError, ValueError...
+        raise ProtocolViolation(f"undecodable frame: {type(exc).__name__}: {exc}") from None
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ProtocolViolation(f"msgpack ext type {code} is not allowed")
+
+
+def unpack_value(data: bytes, max_len: int = DEFAULT_MAX_FRAME) -> Any:
+    """Unpack a packed value from an untrusted peer, with the same limits as a frame."""
+    return _unpack(data, max_len)
+
+
+def _int_id(value: Any, what: str) -> int:
+    if type(value) is not int or not 0 <= value <= _MAX_ID:
+        raise ProtocolViolation(f"{what} must be a non-negative integer")
+    return value
+
+
+def _text(value: Any, what: str, limit: int = _MAX_TEXT, *, optional: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    if type(value) is not str or len(value) > limit:
+        raise ProtocolViolation(f"{what} must be a string of at most {limit} characters")
+    return value
+
+
+def _bin(value: Any, what: str, *, optional: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    if type(value) is not bytes:
+        raise ProtocolViolation(f"{what} must be binary")
+    return value
+
+
+def _arity(body: list[Any], n: int, name: str) -> None:
+    if len(body) != n:
+        raise ProtocolViolation(f"{name!r} takes {n} fields, got {len(body)}")
+
+
+def _frame(frame: bytes, max_len: int) -> tuple[str, list[Any]]:
+    data = _unpack(frame, max_len)
+    if type(data) is not list or not data or type(data[0]) is not str:
+        raise ProtocolViolation("a frame is an array whose first element is the message type")
+    return data[0], data[1:]
+
+
+def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> WorkerMessage:
+    """Decode and validate one frame a worker sent. Raises :class:`ProtocolViolation`."""
+    kind, body = _frame(frame, max_len)
+    if kind == "result":
+        _arity(body, 7, kind)
+        outcome = body[1]
+        if outcome not in OUTCOME_NAMES or type(outcome) is not str:
+            raise ProtocolViolation(f"unknown outcome {outcome!r}")
+        if type(body[5]) is not bool:
+            raise ProtocolViolation("body_started must be a boolean")
+        if type(body[6]) is not dict:
+            raise ProtocolViolation("context must be a map")
+        return Result(
+            _int_id(body[0], "call_id"),
+            outcome,
+            _bin(body[2], "value", optional=True),
+            _text(body[3], "error", optional=True),
+            _text(body[4], "error_name", _MAX_NAME, optional=True),
+            body[5],
+            body[6],
+        )
+    if kind == "started":
+        _arity(body, 1, kind)
+        return Started(_int_id(body[0], "call_id"))
+    if kind == "cancel_ack":
+        _arity(body, 1, kind)
+        return CancelAck(_int_id(body[0], "call_id"))
+    if kind == "pong":
+        _arity(body, 1, kind)
+        return Pong(_int_id(body[0], "nonce"))
+    if kind == "hello":
+        _arity(body, 4, kind)
+        if type(body[3]) is not list or not all(type(t) is dict for t in body[3]):
+            raise ProtocolViolation("tools must be an array of maps")
+        for tool in body[3]:
+            _text(tool.get("name"), "tool name", _MAX_NAME)
+        return Hello(
+            _int_id(body[0], "version"), _int_id(body[1], "pid"), _bin(body[2], "secret"), body[3]
+        )
+    if kind == "fatal":
+        _arity(body, 2, kind)
+        return Fatal(_bin(body[0], "secret"), _text(body[1], "error"))
+    raise ProtocolViolation(f"unknown message type {kind[:64]!r}")
+
+
+def decode_from_supervisor(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> SupervisorMessage:
+    """Decode one frame the supervisor sent (the worker validates it too)."""
+    kind, body = _frame(frame, max_len)
+    if kind == "call":
+        _arity(body, 3, kind)
+        return Call(
+            _int_id(body[0], "call_id"), _text(body[1], "tool", _MAX_NAME), _bin(body[2], "args")
+        )
+    if kind == "cancel":
+        _arity(body, 2, kind)
+        cause = body[1]
+        if type(cause) is not dict or list(cause) != ["kind"] or cause["kind"] not in _CAUSE_KINDS:
+            raise ProtocolViolation(f"invalid cancel cause {cause!r}")
+        return Cancel(_int_id(body[0], "call_id"), cause["kind"])
+    if kind == "ping":
+        _arity(body, 1, kind)
+        return Ping(_int_id(body[0], "nonce"))
+    if kind == "shutdown":
+        _arity(body, 0, kind)
+        return Shutdown()
+    raise ProtocolViolation(f"unknown message type {kind[:64]!r}")

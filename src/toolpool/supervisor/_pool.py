@@ -1,0 +1,1164 @@
+"""The pool: queue, groups, workers, the escalation ladder and truthful settlement (C4, C5, C7).
+
+Bookkeeping is synchronous (``_dispatch``, ``_cancel_call``, ``_settle``, message handling);
+the awaits happen in a few small tasks: one reader per worker socket, one ladder per
+escalating worker, the reaper's event pump, and the deadline clock.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import heapq
+import hmac
+import itertools
+import logging
+import math
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from types import MappingProxyType, TracebackType
+from typing import Any, Final, Literal, final
+
+import anyio
+import anyio.abc
+import zmq
+
+from .._transport import fd_of, readable
+from ..core import (
+    ABORT_ERROR_NAME,
+    ABORTED_BEFORE_DISPATCH_TEXT,
+    CancelCause,
+    CancelController,
+    CancelSignal,
+    ConfigurationError,
+    Outcome,
+    PoolClosedError,
+    UnknownToolError,
+    WorkerStartError,
+    cancel_with_runtime_cause,
+    validate_cause,
+)
+from ..protocol import (
+    DEFAULT_MAX_FRAME,
+    PROTOCOL_VERSION,
+    Cancel,
+    CancelAck,
+    Fatal,
+    Hello,
+    Pong,
+    ProtocolViolation,
+    Shutdown,
+    Started,
+    decode_from_worker,
+    encode,
+    pack_value,
+    unpack_value,
+)
+from ..protocol import (
+    Call as CallMessage,
+)
+from ..protocol import (
+    Result as ResultMessage,
+)
+from ._reaper import ReaperClient
+from ._results import Result, Rung, Statistics, Timeline, WorkerState
+
+__all__ = ("Call", "Group", "Pool")
+
+_log = logging.getLogger("toolpool.supervisor")
+
+_DISPOSED: Final = CancelCause("disposed")
+_PARENT: Final = CancelCause("parent")
+_TIMEOUT: Final = CancelCause("timeout")
+_RUNG_ORDER: Final = {Rung.NONE: 0, Rung.CANCEL: 1, Rung.SIGTERM: 2, Rung.SIGKILL: 3}
+WORKER_LOST_TEXT: Final = "Error: worker lost"
+KILLED_TEXT: Final = "Error: tool call killed"
+TIMEOUT_TEXT: Final = "Error: tool call timed out"
+
+WorkerOutput = Literal["discard", "inherit"]
+
+
+class _CallState(enum.Enum):
+    QUEUED = "queued"
+    SENT = "sent"
+    RUNNING = "running"
+    SETTLED = "settled"
+
+
+# --------------------------------------------------------------------------- calls
+
+
+@final
+class Call:
+    """A submitted call. ``await call`` gives its :class:`Result`; ``call.cancel()`` stops it.
+
+    Created by :meth:`Pool.submit` and :meth:`Group.submit` only.
+    """
+
+    __slots__ = (
+        "_args",
+        "_cause",
+        "_deadline",
+        "_event",
+        "_group",
+        "_pool",
+        "_result",
+        "_rung",
+        "_started",
+        "_state",
+        "_times",
+        "_worker",
+        "id",
+        "tool",
+    )
+
+    def __init__(
+        self, pool: Pool, call_id: int, tool: str, args: bytes, group: Group | None
+    ) -> None:
+        self._pool = pool
+        self.id = call_id
+        """The pool-wide call id."""
+        self.tool = tool
+        """The tool's name."""
+        self._args = args
+        self._group = group
+        self._state = _CallState.QUEUED
+        self._worker: _Worker | None = None
+        self._cause: CancelCause | None = None
+        self._rung = Rung.NONE
+        self._started = False
+        self._result: Result | None = None
+        self._event: anyio.Event | None = None
+        self._deadline: float | None = None
+        self._times: dict[str, float] = {"submitted": time.monotonic()}
+
+    def cancel(self, cause: object = None, *, force: bool = False) -> None:
+        """Cancel the call. ``cause`` is None (``{"kind": "user"}``) or ``{"kind": "parent"}``.
+
+        Validated strictly, even when the call has already settled. A queued call settles at
+        once as ``aborted_before_dispatch``; a running one gets a cooperative cancel message,
+        then escalation per the pool's grace periods. ``force=True`` goes straight to SIGKILL
+        of the worker's process tree. The first cause wins.
+        """
+        accepted = validate_cause(cause)
+        self._pool._cancel_call(self, accepted, force=force)
+
+    def done(self) -> bool:
+        """True once the call has settled."""
+        return self._result is not None
+
+    def result(self) -> Result:
+        """The settled result; raises :class:`RuntimeError` if the call has not settled."""
+        if self._result is None:
+            raise RuntimeError("the call has not settled yet; await it")
+        return self._result
+
+    async def wait(self) -> Result:
+        """Wait until the call settles and return its result.
+
+        If the waiting task is cancelled the call is not: cancel it explicitly, or use
+        :meth:`Pool.call`, which does so with cause ``parent``.
+        """
+        if self._result is None:
+            if self._event is None:
+                self._event = anyio.Event()
+            await self._event.wait()
+        assert self._result is not None
+        return self._result
+
+    def __await__(self) -> Any:
+        return self.wait().__await__()
+
+    def __repr__(self) -> str:
+        state = self._result.outcome.value if self._result else self._state.value
+        return f"<toolpool.Call {self.id} {self.tool!r} {state}>"
+
+
+# --------------------------------------------------------------------------- groups
+
+
+@final
+class Group:
+    """A turn: one cancel controller covering every call made in it (CONTRACT C5).
+
+    Use ``async with pool.group() as turn:``. Leaving the block normally waits until every
+    call of the group settled; leaving it by an exception or cancellation cancels the group
+    with cause ``parent`` (the calls are still tracked to settlement by the pool).
+    """
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+        self._controller = CancelController()
+        self._calls: set[Call] = set()
+        self._controller.signal.add_callback(self._on_cancel)
+
+    @property
+    def signal(self) -> CancelSignal:
+        """The group's cancel signal (read-only)."""
+        return self._controller.signal
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the group was cancelled."""
+        return self._controller.signal.cancelled
+
+    def submit(
+        self, tool: str, args: Mapping[str, Any] | None = None, *, timeout: float | None = None
+    ) -> Call:
+        """Submit a call in this group; after a cancel it settles at once as
+        ``aborted_before_dispatch``."""
+        return self._pool._submit(tool, args, timeout=timeout, group=self)
+
+    async def call(
+        self, tool: str, args: Mapping[str, Any] | None = None, *, timeout: float | None = None
+    ) -> Result:
+        """Submit in this group and wait; see :meth:`Pool.call`."""
+        return await _await_call(self.submit(tool, args, timeout=timeout))
+
+    def cancel(self, cause: object = None) -> bool:
+        """Cancel every call of the group, queued or running. The first request wins."""
+        return self._controller.cancel(cause)
+
+    def _on_cancel(self, cause: CancelCause) -> None:
+        for call in list(self._calls):
+            self._pool._cancel_call(call, cause, force=False)
+
+    async def wait(self) -> None:
+        """Wait until every call submitted so far has settled."""
+        while self._calls:
+            await next(iter(self._calls)).wait()
+
+    async def __aenter__(self) -> Group:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            if not self.cancelled:
+                cancel_with_runtime_cause(self._controller, _PARENT)
+            return
+        await self.wait()
+
+
+async def _await_call(call: Call) -> Result:
+    try:
+        return await call.wait()
+    except anyio.get_cancelled_exc_class():
+        # C4.5: the cancellation reaches the caller at once; the call is not abandoned.
+        call._pool._cancel_call(call, _PARENT, force=False)
+        raise
+
+
+# --------------------------------------------------------------------------- workers
+
+
+class _Worker:
+    __slots__ = (
+        "call",
+        "catalog",
+        "disconnected",
+        "endpoint",
+        "exit_status",
+        "fatal",
+        "gone",
+        "gone_event",
+        "hello_event",
+        "laddering",
+        "last_call_id",
+        "pid",
+        "scopes",
+        "secret",
+        "sock",
+        "start_failed",
+        "state",
+        "violation",
+        "wid",
+    )
+
+    def __init__(self, wid: int, endpoint: str, sock: zmq.Socket[bytes], secret: bytes) -> None:
+        self.wid = wid
+        self.endpoint = endpoint
+        self.sock = sock
+        self.secret = secret
+        self.state = WorkerState.SPAWNING
+        self.pid: int | None = None
+        self.call: Call | None = None
+        self.last_call_id: int | None = None
+        self.catalog: dict[str, dict[str, Any]] = {}
+        self.exit_status: int | None = None
+        self.fatal: str | None = None
+        self.violation: str | None = None
+        self.start_failed = False
+        self.gone = False
+        self.gone_event = anyio.Event()
+        self.hello_event = anyio.Event()
+        self.scopes: list[anyio.CancelScope] = []
+        self.laddering = False
+        self.disconnected = False
+
+    def __repr__(self) -> str:
+        return f"<worker {self.wid} pid={self.pid} {self.state.value}>"
+
+
+# --------------------------------------------------------------------------- the pool
+
+
+@final
+class Pool:
+    """A pool of worker processes running the tools of one registry.
+
+    ``tools`` is ``"module:attribute"`` naming a :class:`toolpool.Registry` importable in the
+    workers (they see this process's ``sys.path``).
+
+    >>> async with toolpool.Pool("mytools:registry", workers=4) as pool:  # doctest: +SKIP
+    ...     result = await pool.call("nap", {"seconds": 1.5}, timeout=30)
+    """
+
+    def __init__(
+        self,
+        tools: str,
+        *,
+        workers: int = 4,
+        cancel_grace: float = 5.0,
+        term_grace: float = 2.0,
+        start_timeout: float = 30.0,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        max_start_failures: int = 3,
+        worker_output: WorkerOutput = "discard",
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """
+        :param tools: ``"module:attribute"`` naming the Registry.
+        :param workers: how many worker processes (each runs one call at a time).
+        :param cancel_grace: seconds a cancelled call has to stop cooperatively before SIGTERM.
+        :param term_grace: seconds after SIGTERM before SIGKILL of the whole tree.
+        :param start_timeout: seconds a worker has to import the tools and say hello.
+        :param max_frame: the largest message, in bytes, in either direction.
+        :param max_start_failures: consecutive start failures before the pool stops respawning.
+        :param worker_output: ``"discard"`` (default) or ``"inherit"`` the workers'
+            stdout/stderr. Discarded output can never block a worker.
+        :param env: the workers' environment (default: this process's, plus ``PYTHONPATH``).
+        """
+        if not isinstance(tools, str) or ":" not in tools:
+            raise ConfigurationError(f"tools must be 'module:attribute', got {tools!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be a positive integer, got {workers!r}")
+        for name, value in (
+            ("cancel_grace", cancel_grace),
+            ("term_grace", term_grace),
+            ("start_timeout", start_timeout),
+        ):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value >= 0)
+            ):
+                raise ValueError(f"{name} must be a non-negative number of seconds")
+        if worker_output not in ("discard", "inherit"):
+            raise ValueError("worker_output must be 'discard' or 'inherit'")
+        if not isinstance(max_frame, int) or max_frame < 1024:
+            raise ValueError("max_frame must be an integer of at least 1024 bytes")
+        self.tools_spec = tools
+        self.size = workers
+        self.cancel_grace = float(cancel_grace)
+        self.term_grace = float(term_grace)
+        self.start_timeout = float(start_timeout)
+        self.max_frame = max_frame
+        self.max_start_failures = max_start_failures
+        self.worker_output: WorkerOutput = worker_output
+        self._env = dict(env) if env is not None else None
+
+        self._state: Literal["new", "starting", "running", "closing", "closed"] = "new"
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._dir: str | None = None
+        self._reaper: ReaperClient | None = None
+        self._workers: dict[int, _Worker] = {}
+        self._ready: list[_Worker] = []
+        self._queue: collections.deque[Call] = collections.deque()
+        self._calls: dict[int, Call] = {}
+        self._groups: set[Group] = set()
+        self._catalog: dict[str, dict[str, Any]] = {}
+        self._wids = itertools.count(1)
+        self._call_ids = itertools.count(1)
+        self._deadlines: list[tuple[float, int, Call]] = []
+        self._deadline_wake: anyio.Event | None = None
+        self._start_failures = 0
+        self._broken: WorkerStartError | None = None
+        self._closed_event: anyio.Event | None = None
+        self._workers_changed: anyio.Event | None = None
+        # statistics
+        self._settled_counts: collections.Counter[str] = collections.Counter()
+        self._escalations: collections.Counter[str] = collections.Counter()
+        self._submitted = 0
+        self._started_count = 0
+        self._replaced = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Pool:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Start the reaper and the workers; returns when every worker is ready.
+
+        Raises :class:`toolpool.WorkerStartError` (with the worker's traceback) if the tools
+        cannot be loaded.
+        """
+        if self._state != "new":
+            raise RuntimeError("a pool can be started once")
+        self._state = "starting"
+        self._closed_event = anyio.Event()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        try:
+            self._dir = tempfile.mkdtemp(prefix="toolpool-")
+            os.chmod(self._dir, 0o700)
+            self._ctx = zmq.Context(io_threads=1)
+            self._reaper = ReaperClient(self._on_reaper_event)
+            await self._reaper.start(self.start_timeout)
+            self._tg.start_soon(self._reaper.run)
+            self._tg.start_soon(self._deadline_clock)
+            for _ in range(self.size):
+                self._spawn()
+            with anyio.fail_after(self.start_timeout + 5):
+                while True:
+                    if self._broken is not None:
+                        raise self._broken
+                    if sum(w.state is WorkerState.READY for w in self._workers.values()) >= (
+                        self.size
+                    ):
+                        break
+                    await self._wait_workers_changed()
+        except BaseException as exc:
+            self._state = "closing"
+            with anyio.CancelScope(shield=True):
+                await self._teardown()
+            await self._exit_task_group()
+            if isinstance(exc, TimeoutError):
+                raise WorkerStartError("workers did not become ready in time") from None
+            raise
+        self._state = "running"
+
+    async def aclose(self) -> None:
+        """Cancel every call with cause ``disposed`` and stop every worker (CONTRACT C5.3).
+
+        Returns only when every call has settled and every worker process, and everything
+        it spawned, is gone. Idempotent.
+        """
+        if self._state in ("closed", "new"):
+            self._state = "closed"
+            return
+        if self._state == "closing":
+            assert self._closed_event is not None
+            await self._closed_event.wait()
+            return
+        self._state = "closing"
+        with anyio.CancelScope(shield=True):
+            for group in list(self._groups):
+                cancel_with_runtime_cause(group._controller, _DISPOSED)
+            for call in list(self._calls.values()):
+                self._cancel_call(call, _DISPOSED, force=False)
+            while self._calls:
+                await next(iter(self._calls.values())).wait()
+            await self._teardown()
+        await self._exit_task_group()
+
+    async def _exit_task_group(self) -> None:
+        tg, self._tg = self._tg, None
+        if tg is not None:
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+        self._state = "closed"
+        if self._closed_event is not None:
+            self._closed_event.set()
+
+    async def _teardown(self) -> None:
+        # Workers: idle ones exit on Shutdown; anything left after term_grace is killed.
+        for w in list(self._workers.values()):
+            if w.state in (WorkerState.READY, WorkerState.SPAWNING) and not w.gone:
+                w.state = WorkerState.QUARANTINED
+                self._send(w, encode(Shutdown()))
+        with anyio.move_on_after(self.term_grace):
+            await self._wait_all_gone()
+        for w in list(self._workers.values()):
+            if not w.gone and self._reaper is not None:
+                self._reaper.kill_tree(w.wid)
+        with anyio.move_on_after(30):
+            await self._wait_all_gone()
+        if self._reaper is not None:
+            await self._reaper.aclose()
+        for w in list(self._workers.values()):
+            self._close_worker(w)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    async def _wait_all_gone(self) -> None:
+        while any(not w.gone for w in self._workers.values()):
+            await self._wait_workers_changed()
+
+    async def _wait_workers_changed(self) -> None:
+        if self._workers_changed is None:
+            self._workers_changed = anyio.Event()
+        await self._workers_changed.wait()
+
+    def _notify_workers_changed(self) -> None:
+        if self._workers_changed is not None:
+            self._workers_changed.set()
+            self._workers_changed = None
+
+    # ------------------------------------------------------------------ public API
+
+    def submit(
+        self, tool: str, args: Mapping[str, Any] | None = None, *, timeout: float | None = None
+    ) -> Call:
+        """Queue a call and return its :class:`Call` at once.
+
+        Raises :class:`toolpool.UnknownToolError` if no worker provides ``tool``,
+        :class:`toolpool.PoolClosedError` if the pool is closing, and :class:`TypeError` if
+        ``args`` cannot be serialized. ``timeout`` (seconds from now) cancels the call with
+        cause ``timeout`` when it expires, escalating like any cancel.
+        """
+        return self._submit(tool, args, timeout=timeout, group=None)
+
+    async def call(
+        self, tool: str, args: Mapping[str, Any] | None = None, *, timeout: float | None = None
+    ) -> Result:
+        """Submit a call and wait for its result.
+
+        If the awaiting task is cancelled, the cancellation reaches it at once; the call gets a
+        cooperative cancel with cause ``parent``, escalates per policy and is tracked until it
+        settles (CONTRACT C4.5).
+        """
+        return await _await_call(self.submit(tool, args, timeout=timeout))
+
+    def group(self) -> Group:
+        """A new group (turn) with a fresh cancel signal (CONTRACT C5)."""
+        self._check_open()
+        group = Group(self)
+        self._groups.add(group)
+        return group
+
+    @property
+    def catalog(self) -> Mapping[str, Mapping[str, Any]]:
+        """The tools the ready workers provide, by name: JSON-compatible descriptions."""
+        return MappingProxyType(self._catalog)
+
+    @property
+    def reaper_pid(self) -> int | None:
+        """The pid of the pool's reaper process (every worker is its child)."""
+        return self._reaper.pid if self._reaper else None
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the worker processes that are alive now."""
+        return [w.pid for w in self._workers.values() if w.pid is not None and not w.gone]
+
+    async def wait_idle(self) -> None:
+        """Wait until no call is queued or running."""
+        while self._calls:
+            await next(iter(self._calls.values())).wait()
+
+    def statistics(self) -> Statistics:
+        """A frozen snapshot of the pool."""
+        states = collections.Counter(w.state.value for w in self._workers.values())
+        return Statistics(
+            workers=MappingProxyType(dict(states)),
+            queued=len(self._queue),
+            in_flight=sum(1 for c in self._calls.values() if c._state is not _CallState.QUEUED),
+            settled=MappingProxyType(dict(self._settled_counts)),
+            escalations=MappingProxyType(dict(self._escalations)),
+            workers_started=self._started_count,
+            workers_replaced=self._replaced,
+            submitted=self._submitted,
+        )
+
+    # ------------------------------------------------------------------ submission
+
+    def _check_open(self) -> None:
+        if self._state in ("closing", "closed"):
+            raise PoolClosedError("the pool is closed")
+        if self._state == "new":
+            raise PoolClosedError("the pool is not started: use 'async with Pool(...)'")
+        if self._broken is not None:
+            raise self._broken
+
+    def _submit(
+        self,
+        tool: str,
+        args: Mapping[str, Any] | None,
+        *,
+        timeout: float | None,
+        group: Group | None,
+    ) -> Call:
+        self._check_open()
+        if not isinstance(tool, str):
+            raise TypeError(f"a tool name is a str, not {type(tool).__name__}")
+        if tool not in self._catalog:
+            raise UnknownToolError(
+                f"no worker provides a tool named {tool!r}; known: {sorted(self._catalog)}"
+            )
+        if args is None:
+            args = {}
+        if not isinstance(args, Mapping):
+            raise TypeError(f"args must be a mapping, not {type(args).__name__}")
+        packed = pack_value(dict(args))
+        if len(packed) > self.max_frame - 1024:
+            raise ValueError(f"args of {len(packed)} bytes exceed max_frame={self.max_frame}")
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not (math.isfinite(timeout) and timeout > 0)
+        ):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        call = Call(self, next(self._call_ids), tool, packed, group)
+        self._submitted += 1
+        self._calls[call.id] = call
+        if group is not None:
+            group._calls.add(call)
+            if group.cancelled:
+                self._cancel_call(call, group.signal.reason or _PARENT, force=False)
+                return call
+        if timeout is not None:
+            self._add_deadline(call, call._times["submitted"] + timeout)
+        self._queue.append(call)
+        self._dispatch()
+        return call
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _dispatch(self) -> None:
+        while self._queue and self._ready:
+            call = self._queue.popleft()
+            if call._state is not _CallState.QUEUED:
+                continue
+            w = self._ready.pop()
+            if w.state is not WorkerState.READY or w.gone:
+                self._queue.appendleft(call)
+                continue
+            w.state = WorkerState.BUSY
+            w.call = call
+            call._worker = w
+            call._state = _CallState.SENT
+            call._times["dispatched"] = time.monotonic()
+            if not self._send(w, encode(CallMessage(call.id, call.tool, call._args))):
+                # Not handed over: the body cannot have started. Put it back and retire w.
+                w.call = None
+                call._worker = None
+                call._state = _CallState.QUEUED
+                del call._times["dispatched"]
+                self._queue.appendleft(call)
+                self._quarantine(w, "its socket refused a call")
+
+    def _send(self, w: _Worker, frame: bytes) -> bool:
+        if w.gone or w.sock.closed:
+            return False
+        try:
+            w.sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+        except zmq.ZMQError:
+            return False
+        # Sending may consume the edge of zmq's notification fd: handle what arrived.
+        if readable(w.sock):
+            self._drain(w)
+        return True
+
+    # ------------------------------------------------------------------ cancellation
+
+    def _cancel_call(self, call: Call, cause: CancelCause, *, force: bool) -> None:
+        if call._result is not None:
+            return
+        if call._cause is None:
+            call._cause = cause
+            call._times["cancel_requested"] = time.monotonic()
+        elif cause is _DISPOSED and call._cause.kind in ("user", "parent"):
+            call._cause = cause  # C5.3: disposed takes priority in classification
+        if call._state is _CallState.QUEUED:
+            self._settle_unstarted(call, cause)
+            return
+        w = call._worker
+        assert w is not None
+        if force:
+            self._kill(w)
+            return
+        if call._rung is Rung.NONE:
+            self._raise_rung(call, Rung.CANCEL)
+            self._send(w, encode(Cancel(call.id, call._cause.kind)))
+        if not w.laddering and self._tg is not None:
+            w.laddering = True
+            self._tg.start_soon(self._ladder, w, call)
+
+    def _settle_unstarted(self, call: Call, cause: CancelCause) -> None:
+        if cause.kind == "timeout":
+            self._settle(
+                call,
+                Outcome.TIMEOUT,
+                error=TIMEOUT_TEXT,
+                error_name="TimeoutError",
+                body_started=False,
+            )
+        else:
+            self._settle(
+                call,
+                Outcome.ABORTED_BEFORE_DISPATCH,
+                error=ABORTED_BEFORE_DISPATCH_TEXT,
+                error_name=ABORT_ERROR_NAME,
+                body_started=False,
+            )
+
+    async def _ladder(self, w: _Worker, call: Call) -> None:
+        """The escalation ladder of one worker: cancel message, SIGTERM, SIGKILL (C4.2)."""
+        with anyio.move_on_after(self.cancel_grace):
+            await call.wait()
+        if call._result is not None and w.state is not WorkerState.QUARANTINED:
+            w.laddering = False
+            return
+        if w.gone:
+            return
+        if call._result is None and call._rung is not Rung.SIGKILL:
+            self._terminate(w)
+        with anyio.move_on_after(self.term_grace):
+            await w.gone_event.wait()
+        if not w.gone:
+            self._kill(w)
+
+    def _raise_rung(self, call: Call, rung: Rung) -> None:
+        if _RUNG_ORDER[rung] > _RUNG_ORDER[call._rung]:
+            call._rung = rung
+
+    def _terminate(self, w: _Worker) -> None:
+        w.state = WorkerState.QUARANTINED
+        if w.call is not None:
+            self._raise_rung(w.call, Rung.SIGTERM)
+            w.call._times.setdefault("sigterm", time.monotonic())
+        if self._reaper is not None and not w.gone:
+            self._reaper.signal_tree(w.wid, signal.SIGTERM)
+
+    def _kill(self, w: _Worker) -> None:
+        self._quarantine(w, None)
+        if w.call is not None:
+            self._raise_rung(w.call, Rung.SIGKILL)
+            w.call._times.setdefault("sigkill", time.monotonic())
+
+    def _quarantine(self, w: _Worker, violation: str | None) -> None:
+        """Take w out of service for good and kill its tree (C4.2, C7)."""
+        if violation is not None and w.violation is None:
+            w.violation = violation
+            _log.warning("worker %s (pid %s) quarantined: %s", w.wid, w.pid, violation)
+        if w in self._ready:
+            self._ready.remove(w)
+        w.state = WorkerState.QUARANTINED
+        if self._reaper is not None and not w.gone:
+            self._reaper.kill_tree(w.wid)
+
+    # ------------------------------------------------------------------ settlement
+
+    def _settle(
+        self,
+        call: Call,
+        outcome: Outcome,
+        *,
+        value: Any = None,
+        error: str | None = None,
+        error_name: str | None = None,
+        body_started: bool | None,
+        context: Mapping[str, Any] | None = None,
+        exit_status: int | None = None,
+    ) -> None:
+        if call._result is not None:
+            return
+        now = time.monotonic()
+        call._times["settled"] = now
+        w = call._worker
+        exit_code = exit_signal = None
+        if exit_status is not None:
+            if exit_status < 0:
+                exit_signal = -exit_status
+            else:
+                exit_code = exit_status
+        call._result = Result(
+            call_id=call.id,
+            tool=call.tool,
+            outcome=outcome,
+            value=value,
+            error=error,
+            error_name=error_name,
+            body_started=body_started,
+            cause=call._cause,
+            rung=call._rung,
+            worker_pid=w.pid if w is not None else None,
+            exit_code=exit_code,
+            exit_signal=exit_signal,
+            context=MappingProxyType(dict(context or {})),
+            timeline=Timeline(**call._times),
+        )
+        call._state = _CallState.SETTLED
+        self._settled_counts[outcome.value] += 1
+        if call._rung is not Rung.NONE:
+            self._escalations[call._rung.value] += 1
+        del self._calls[call.id]
+        if call._group is not None:
+            call._group._calls.discard(call)
+        if w is not None and w.call is call:
+            w.call = None
+            w.last_call_id = call.id
+        if call._event is not None:
+            call._event.set()
+
+    # ------------------------------------------------------------------ deadlines
+
+    def _add_deadline(self, call: Call, when: float) -> None:
+        call._deadline = when
+        first = not self._deadlines or when < self._deadlines[0][0]
+        heapq.heappush(self._deadlines, (when, call.id, call))
+        if first and self._deadline_wake is not None:
+            self._deadline_wake.set()
+
+    async def _deadline_clock(self) -> None:
+        while True:
+            self._deadline_wake = anyio.Event()
+            delay = math.inf
+            now = time.monotonic()
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, _, call = heapq.heappop(self._deadlines)
+                if call._result is None:
+                    self._cancel_call(call, _TIMEOUT, force=False)
+            if self._deadlines:
+                delay = self._deadlines[0][0] - now
+            with anyio.move_on_after(delay):
+                await self._deadline_wake.wait()
+
+    # ------------------------------------------------------------------ workers
+
+    def _spawn(self) -> _Worker:
+        assert self._ctx is not None
+        assert self._dir is not None
+        assert self._reaper is not None
+        assert self._tg is not None
+        wid = next(self._wids)
+        endpoint = f"ipc://{self._dir}/w{wid}.sock"
+        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.PAIR)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
+        sock.bind(endpoint)
+        secret = secrets.token_hex(32).encode()
+        w = _Worker(wid, endpoint, sock, secret)
+        self._workers[wid] = w
+        argv = [
+            sys.executable,
+            "-m",
+            "toolpool.worker",
+            "--endpoint",
+            endpoint,
+            "--tools",
+            self.tools_spec,
+            "--parent-pid",
+            str(self._reaper.pid),
+            "--max-frame",
+            str(self.max_frame),
+        ]
+        self._reaper.spawn(
+            wid, argv, env=self._worker_env(), stdin=secret + b"\n", output=self.worker_output
+        )
+        self._started_count += 1
+        self._tg.start_soon(self._serve_worker, w)
+        self._tg.start_soon(self._watch_disconnect, w)
+        return w
+
+    def _worker_env(self) -> dict[str, str]:
+        env = dict(os.environ) if self._env is None else dict(self._env)
+        paths = [p or os.getcwd() for p in sys.path]
+        if env.get("PYTHONPATH"):
+            paths.append(env["PYTHONPATH"])
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        return env
+
+    async def _serve_worker(self, w: _Worker) -> None:
+        """Read w's messages until it is gone; then close its socket."""
+        fd = fd_of(w.sock)
+        try:
+            with _scope(w):
+                with anyio.move_on_after(self.start_timeout):
+                    while _spawning(w):
+                        self._drain(w)
+                        if not _spawning(w):
+                            break
+                        await anyio.wait_readable(fd)
+                if _spawning(w):
+                    self._start_failure(w, "the worker did not say hello in time")
+                while not w.gone:
+                    self._drain(w)
+                    if not _alive(w):
+                        break
+                    await anyio.wait_readable(fd)
+        finally:
+            self._close_worker(w)
+
+    async def _watch_disconnect(self, w: _Worker) -> None:
+        """Notice a dropped connection (an oversized frame makes zmq disconnect the peer)."""
+        monitor = w.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        fd = fd_of(monitor)
+        try:
+            with _scope(w):
+                while not w.gone:
+                    while readable(monitor):
+                        frames = monitor.recv_multipart(zmq.NOBLOCK)
+                        event = int.from_bytes(frames[0][:2], "little")
+                        if event == zmq.EVENT_DISCONNECTED and not w.gone:
+                            self._drain(w)  # take what it sent before the drop
+                            w.disconnected = True
+                            # Dead, dying or misbehaving (an oversized frame): never trust it
+                            # again; the reaper reports when its tree is gone.
+                            self._quarantine(w, None)
+                    await anyio.wait_readable(fd)
+        finally:
+            try:
+                if not w.sock.closed:
+                    w.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(linger=0)
+
+    def _close_worker(self, w: _Worker) -> None:
+        if not w.sock.closed:
+            try:
+                anyio.notify_closing(fd_of(w.sock))
+            except Exception:
+                pass
+            w.sock.close(linger=0)
+
+    def _drain(self, w: _Worker) -> None:
+        sock = w.sock
+        while not sock.closed and readable(sock):
+            frame = sock.recv(zmq.NOBLOCK)
+            if w.violation is not None:
+                continue  # a quarantined violator: nothing it says counts any more
+            try:
+                msg = decode_from_worker(frame, max_len=self.max_frame)
+                self._on_message(w, msg)
+            except ProtocolViolation as exc:
+                self._quarantine(w, f"protocol violation: {exc}")
+
+    def _on_message(self, w: _Worker, msg: Any) -> None:
+        if isinstance(msg, ResultMessage):
+            call = w.call
+            if call is None or call.id != msg.call_id:
+                raise ProtocolViolation(f"result for call {msg.call_id}, which it does not own")
+            value = unpack_value(msg.value, self.max_frame) if msg.value is not None else None
+            call._times["returned"] = time.monotonic()
+            self._settle(
+                call,
+                Outcome(msg.outcome),
+                value=value,
+                error=msg.error,
+                error_name=msg.error_name,
+                body_started=msg.body_started,
+                context=msg.context,
+            )
+            if w.state is WorkerState.BUSY:
+                w.state = WorkerState.READY
+                self._ready.append(w)
+                self._dispatch()
+        elif isinstance(msg, Started):
+            call = w.call
+            if call is None or call.id != msg.call_id or call._started:
+                raise ProtocolViolation(f"'started' for call {msg.call_id}, which it does not own")
+            call._started = True
+            call._state = _CallState.RUNNING
+            call._times["started"] = time.monotonic()
+        elif isinstance(msg, CancelAck):
+            call = w.call
+            if call is not None and call.id == msg.call_id:
+                call._times.setdefault("cancel_delivered", time.monotonic())
+            elif msg.call_id != w.last_call_id:
+                raise ProtocolViolation(f"cancel_ack for call {msg.call_id}, which it does not own")
+        elif isinstance(msg, Hello):
+            if w.state is not WorkerState.SPAWNING:
+                raise ProtocolViolation("a second hello")
+            if not hmac.compare_digest(msg.secret, w.secret):
+                raise ProtocolViolation("hello with a wrong secret")
+            if msg.version != PROTOCOL_VERSION:
+                w.fatal = f"protocol version {msg.version}, expected {PROTOCOL_VERSION}"
+                self._start_failure(w, w.fatal)
+                return
+            if w.pid is not None and msg.pid != w.pid:
+                raise ProtocolViolation(f"hello from pid {msg.pid}, but the worker is {w.pid}")
+            catalog = {t["name"]: t for t in msg.tools}
+            for name, desc in catalog.items():
+                known = self._catalog.get(name)
+                if known is not None and known != desc:
+                    raise ProtocolViolation(f"tool {name!r} differs from the other workers'")
+            self._catalog.update(catalog)
+            w.catalog = catalog
+            w.state = WorkerState.READY
+            self._start_failures = 0
+            w.hello_event.set()
+            self._ready.append(w)
+            self._notify_workers_changed()
+            self._dispatch()
+        elif isinstance(msg, Fatal):
+            if w.state is not WorkerState.SPAWNING or not hmac.compare_digest(msg.secret, w.secret):
+                raise ProtocolViolation("an unexpected 'fatal' message")
+            w.fatal = msg.error
+            self._start_failure(w, msg.error)
+        elif isinstance(msg, Pong):
+            pass
+        else:  # pragma: no cover - decode_from_worker returns only the types above
+            raise ProtocolViolation(f"unexpected message {type(msg).__name__}")
+
+    def _start_failure(self, w: _Worker, reason: str) -> None:
+        w.start_failed = True
+        w.hello_event.set()
+        self._quarantine(w, None)
+        self._start_failures += 1
+        if self._start_failures >= self.max_start_failures or self._state == "starting":
+            self._broken = WorkerStartError(
+                f"workers for {self.tools_spec!r} fail to start: {reason.strip()}"
+            )
+            self._fail_queue()
+        self._notify_workers_changed()
+
+    def _fail_queue(self) -> None:
+        while self._queue:
+            call = self._queue.popleft()
+            if call._result is None:
+                self._settle(
+                    call,
+                    Outcome.WORKER_LOST,
+                    error=f"{WORKER_LOST_TEXT}: {self._broken}",
+                    error_name="WorkerStartError",
+                    body_started=False,
+                )
+
+    # ------------------------------------------------------------------ reaper events
+
+    def _on_reaper_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("ev")
+        if kind == "lost":
+            if self._state not in ("closing", "closed"):
+                _log.error("the pool's reaper process went away")
+                self._broken = WorkerStartError("the pool's reaper process went away")
+            return
+        w = self._workers.get(int(event.get("wid", 0)))
+        if w is None:
+            return
+        if kind == "spawned":
+            w.pid = int(event["pid"])
+        elif kind == "spawn_failed":
+            w.fatal = str(event.get("error"))
+            self._start_failure(w, w.fatal)
+            self._worker_gone(w)
+        elif kind == "exited":
+            w.exit_status = int(event["status"])
+            if w.state is WorkerState.SPAWNING and not w.start_failed:
+                self._start_failure(w, f"the worker exited with status {w.exit_status} at start")
+        elif kind == "gone":
+            self._worker_gone(w)
+
+    def _worker_gone(self, w: _Worker) -> None:
+        """The worker and every process it spawned are gone: settle, replace (C4.3, C4.6)."""
+        if w.gone:
+            return
+        was_serving = w.state in (WorkerState.READY, WorkerState.BUSY, WorkerState.QUARANTINED)
+        w.gone = True
+        if w in self._ready:
+            self._ready.remove(w)
+        call = w.call
+        if call is not None:
+            call._times["reaped"] = time.monotonic()
+            if w.violation is None and _RUNG_ORDER[call._rung] >= _RUNG_ORDER[Rung.SIGTERM]:
+                self._settle(
+                    call,
+                    Outcome.KILLED,
+                    error=KILLED_TEXT,
+                    error_name="Killed",
+                    body_started=call._started or None,
+                    exit_status=w.exit_status,
+                )
+            else:
+                reason = w.violation or _describe_exit(w.exit_status, w.disconnected)
+                self._settle(
+                    call,
+                    Outcome.WORKER_LOST,
+                    error=f"{WORKER_LOST_TEXT}: {reason}",
+                    error_name="WorkerLost",
+                    body_started=call._started or None,
+                    exit_status=w.exit_status,
+                )
+        w.state = WorkerState.EXITED
+        w.gone_event.set()
+        for scope in w.scopes:
+            scope.cancel()
+        del self._workers[w.wid]
+        self._notify_workers_changed()
+        if self._state in ("running", "starting") and self._broken is None:
+            if was_serving and not w.start_failed:
+                self._replaced += 1
+            self._tg_start_replacement(delayed=w.start_failed)
+
+    def _tg_start_replacement(self, *, delayed: bool) -> None:
+        if self._tg is None:
+            return
+        if delayed:
+            self._tg.start_soon(self._respawn_later, min(2.0, 0.05 * 2**self._start_failures))
+        else:
+            self._spawn()
+
+    async def _respawn_later(self, delay: float) -> None:
+        await anyio.sleep(delay)
+        if self._state in ("running", "starting") and self._broken is None:
+            self._spawn()
+
+    def __repr__(self) -> str:
+        return f"<toolpool.Pool {self.tools_spec!r} workers={self.size} {self._state}>"
+
+
+def _describe_exit(status: int | None, disconnected: bool = False) -> str:
+    if disconnected and status == -signal.SIGKILL:
+        return "its connection dropped (an oversized frame?) and it was killed"
+    if status is None:
+        return "the worker died"
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        return f"the worker was killed by {name}"
+    return f"the worker exited with status {status}"
+
+
+def _spawning(w: _Worker) -> bool:
+    return w.state is WorkerState.SPAWNING and not w.gone
+
+
+def _alive(w: _Worker) -> bool:
+    return not w.gone
+
+
+def _scope(w: _Worker) -> anyio.CancelScope:
+    scope = anyio.CancelScope()
+    w.scopes.append(scope)
+    if w.gone:
+        scope.cancel()
+    return scope

@@ -1,0 +1,147 @@
+"""The supervisor's side of the reaper process (see ``_reaper_main.py``).
+
+Launching and killing processes is split out of the pool: the pool asks, the reaper does, and
+reports back events. One reaper serves one pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from ..core import WorkerStartError
+
+__all__ = ("ReaperClient",)
+
+_SCRIPT = Path(__file__).with_name("_reaper_main.py")
+
+Event = dict[str, Any]
+
+
+class ReaperClient:
+    """Starts the reaper, sends it commands and delivers its events to ``on_event``."""
+
+    def __init__(self, on_event: Callable[[Event], None]) -> None:
+        self._on_event = on_event
+        self._sock: socket.socket | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.pid: int | None = None
+        self.subreaper = False
+        self._bye = False
+
+    async def start(self, timeout: float) -> None:
+        """Start the reaper process and wait for it to say it is ready."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            # A plain, fast fork+exec (no preexec_fn: zmq threads exist); not worth a thread.
+            self._proc = subprocess.Popen(  # noqa: ASYNC220
+                [sys.executable, "-P", str(_SCRIPT), str(os.getpid()), str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._sock = ours
+        with anyio.move_on_after(timeout):
+            while True:
+                await anyio.wait_readable(ours)
+                event = self._recv_one()
+                if event is None:
+                    break
+                if event.get("ev") == "ready":
+                    self.pid = int(event["pid"])
+                    self.subreaper = bool(event.get("subreaper"))
+                    return
+        await self.aclose()
+        raise WorkerStartError("the pool's reaper process did not start")
+
+    def _recv_one(self) -> Event | None:
+        assert self._sock is not None
+        try:
+            data = self._sock.recv(1 << 16)
+        except BlockingIOError:
+            return {}
+        except OSError:
+            return None
+        if not data:
+            return None
+        event: Event = json.loads(data)
+        return event
+
+    async def run(self) -> None:
+        """Deliver events until the reaper says goodbye or goes away."""
+        sock = self._sock
+        assert sock is not None
+        while not self._bye:
+            try:
+                await anyio.wait_readable(sock)
+            except (anyio.ClosedResourceError, OSError):
+                return
+            while True:
+                event = self._recv_one()
+                if event is None:
+                    self._bye = True
+                    self._on_event({"ev": "lost"})
+                    return
+                if not event:
+                    break
+                if event.get("ev") == "bye":
+                    self._bye = True
+                self._on_event(event)
+
+    def send(self, **command: Any) -> None:
+        """Send a command; a reaper that is gone is reported through the event stream."""
+        if self._sock is None:
+            return
+        try:
+            self._sock.send(json.dumps(command).encode())
+        except OSError:
+            pass
+
+    def spawn(
+        self,
+        wid: int,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None,
+        stdin: bytes,
+        output: str,
+    ) -> None:
+        """Ask for a worker process; answered by ``spawned`` or ``spawn_failed``."""
+        self.send(op="spawn", wid=wid, argv=argv, env=env, stdin=stdin.decode(), output=output)
+
+    def signal_tree(self, wid: int, sig: int) -> None:
+        """Send ``sig`` to the worker and every descendant."""
+        self.send(op="signal", wid=wid, sig=int(sig))
+
+    def kill_tree(self, wid: int) -> None:
+        """Freeze the worker, SIGKILL its descendants until none is left, then SIGKILL it."""
+        self.send(op="kill", wid=wid)
+
+    async def aclose(self) -> None:
+        """Ask the reaper to kill whatever is left and exit; wait until it has."""
+        self.send(op="exit")
+        proc = self._proc
+        if proc is not None:
+            try:
+                with anyio.move_on_after(10):
+                    await anyio.to_thread.run_sync(proc.wait, abandon_on_cancel=True)
+                if proc.poll() is None:  # it would not go: do not leave it behind
+                    proc.kill()
+                    await anyio.to_thread.run_sync(proc.wait)
+            finally:
+                self._proc = None
+        if self._sock is not None:
+            anyio.notify_closing(self._sock)
+            self._sock.close()
+            self._sock = None

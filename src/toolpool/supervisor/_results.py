@@ -1,0 +1,133 @@
+"""What the supervisor reports: results with their timeline, and pool statistics."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, final
+
+from ..core import CancelCause, Outcome
+
+__all__ = ("Result", "Rung", "Statistics", "Timeline", "WorkerState")
+
+
+class Rung(enum.StrEnum):
+    """How far the escalation ladder went for a call (CONTRACT C4.2)."""
+
+    NONE = "none"
+    """No cancellation was delivered."""
+    CANCEL = "cancel"
+    """A cooperative cancel message was sent."""
+    SIGTERM = "sigterm"
+    """The worker's process tree got SIGTERM."""
+    SIGKILL = "sigkill"
+    """The worker's process tree got SIGKILL."""
+
+
+class WorkerState(enum.StrEnum):
+    """Where a worker process is in its life."""
+
+    SPAWNING = "spawning"
+    READY = "ready"
+    BUSY = "busy"
+    QUARANTINED = "quarantined"
+    """Escalation or a protocol violation: it never gets another call."""
+    EXITED = "exited"
+
+
+@final
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Timeline:
+    """Monotonic timestamps (``time.monotonic()``) of a call's steps; None where not reached."""
+
+    submitted: float
+    dispatched: float | None = None
+    """The call message was sent to a worker."""
+    started: float | None = None
+    """The worker reported that the body was about to be invoked."""
+    cancel_requested: float | None = None
+    cancel_delivered: float | None = None
+    """The worker acknowledged the cancel message."""
+    returned: float | None = None
+    """The worker's result arrived."""
+    sigterm: float | None = None
+    sigkill: float | None = None
+    reaped: float | None = None
+    """The worker and every process it spawned were gone."""
+    settled: float | None = None
+
+    def steps(self) -> list[tuple[str, float]]:
+        """The steps reached, in time order, as (name, seconds since submitted)."""
+        out = [
+            (f.name, getattr(self, f.name) - self.submitted)
+            for f in fields(self)
+            if getattr(self, f.name) is not None
+        ]
+        return sorted(out, key=lambda item: item[1])
+
+    def as_dict(self) -> dict[str, float | None]:
+        """The timestamps by step name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@final
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Result:
+    """The settled result of a pool call: what happened to the tool body, and the facts.
+
+    Created by the pool only.
+    """
+
+    call_id: int
+    tool: str
+    outcome: Outcome
+    """What happened to the body (CONTRACT C3)."""
+    value: Any = None
+    """The body's return value, for ``ok``."""
+    error: str | None = None
+    """The model-visible error text, for every outcome but ``ok``."""
+    error_name: str | None = None
+    body_started: bool | None = None
+    """True: the body was invoked; False: it never was; None: unknown (the worker died first)."""
+    cause: CancelCause | None = None
+    """The cancel cause that applied, if the call was cancelled (a runtime fact)."""
+    rung: Rung = Rung.NONE
+    """How far escalation went."""
+    worker_pid: int | None = None
+    exit_code: int | None = None
+    """The worker's exit code, where it exited during this call."""
+    exit_signal: int | None = None
+    """The signal that ended the worker, where one did during this call."""
+    context: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    timeline: Timeline
+
+    @property
+    def ok(self) -> bool:
+        """True for outcome ``ok``."""
+        return self.outcome is Outcome.OK
+
+    def duration(self) -> float:
+        """Seconds from submission to settlement."""
+        settled = self.timeline.settled
+        return 0.0 if settled is None else settled - self.timeline.submitted
+
+
+@final
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Statistics:
+    """A frozen snapshot of a pool."""
+
+    workers: Mapping[str, int]
+    """Worker processes by state (``ready``, ``busy``, ``spawning``, ``quarantined``...)."""
+    queued: int
+    in_flight: int
+    """Calls dispatched to a worker and not yet settled."""
+    settled: Mapping[str, int]
+    """Settled calls by outcome."""
+    escalations: Mapping[str, int]
+    """Calls by the highest rung their escalation reached (``cancel``, ``sigterm``...)."""
+    workers_started: int
+    workers_replaced: int
+    submitted: int

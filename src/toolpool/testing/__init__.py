@@ -1,0 +1,1 @@
+"""Tools for testing toolpool and code that uses it: example and misbehaving tools."""

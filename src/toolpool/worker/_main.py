@@ -1,0 +1,222 @@
+"""The worker process: ``python -m toolpool.worker --endpoint ... --tools module:attr``.
+
+Set-up happens first, single-threaded, before zmq starts its threads and before the tools
+module is imported: die with the parent (PR_SET_PDEATHSIG), check the parent did not already
+die, become a child subreaper (so daemons a tool starts stay in this tree), read the per-worker
+secret from stdin. Then connect, import the tools, say hello, and serve one call at a time.
+
+The worker never kills or abandons anything: a cancel message only cancels the call's signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import os
+import signal
+import sys
+import traceback
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import zmq
+
+    from ._registry import Registry
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+EXIT_SETUP_FAILED = 70
+EXIT_TOOLS_FAILED = 71
+EXIT_PROTOCOL = 72
+
+
+def _prctl(option: int, arg: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(option, arg, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m toolpool.worker")
+    parser.add_argument("--endpoint", required=True, help="zmq endpoint to connect to")
+    parser.add_argument("--tools", required=True, help="module:attribute naming a Registry")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--max-frame", type=int, required=True)
+    return parser.parse_args(argv)
+
+
+def setup(parent_pid: int) -> bytes:
+    """Process set-up, in an order that does not undo itself. Returns the secret."""
+    if sys.platform.startswith("linux"):
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:  # the parent died before PDEATHSIG was armed
+            os._exit(EXIT_SETUP_FAILED)
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    secret = sys.stdin.buffer.readline().strip()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    if not secret:
+        os._exit(EXIT_SETUP_FAILED)
+    return secret
+
+
+def load_registry(spec: str) -> Registry:
+    """Import ``module:attribute`` and return the Registry it names."""
+    from ._registry import Registry
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"tools spec {spec!r} is not of the form 'module:attribute'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if callable(obj) and not isinstance(obj, Registry):
+        obj = obj()
+    if not isinstance(obj, Registry):
+        raise TypeError(f"{spec!r} is a {type(obj).__name__}, not a toolpool.Registry")
+    return obj
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    secret = setup(args.parent_pid)
+
+    import zmq
+
+    from ..protocol import PROTOCOL_VERSION, Fatal, Hello, encode
+
+    ctx = zmq.Context(io_threads=1)
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt(zmq.MAXMSGSIZE, args.max_frame)
+    sock.setsockopt(zmq.RECONNECT_IVL, -1)
+    sock.connect(args.endpoint)
+    try:
+        registry = load_registry(args.tools)
+        catalog = registry.catalog()
+    except BaseException:
+        sock.send(encode(Fatal(secret, traceback.format_exc(limit=20)[-8000:])))
+        sock.close()
+        ctx.term()
+        os._exit(EXIT_TOOLS_FAILED)
+    sock.send(encode(Hello(PROTOCOL_VERSION, os.getpid(), secret, catalog)))
+
+    import anyio
+
+    server = _Server(sock, registry, args.max_frame)
+    try:
+        anyio.run(server.serve)
+    finally:
+        sock.close(linger=1000)
+        ctx.term()
+
+
+class _Server:
+    """The worker's loop: reads messages while a body runs, one call at a time."""
+
+    def __init__(self, sock: zmq.Socket[bytes], registry: Registry, max_frame: int) -> None:
+        self.sock = sock
+        self.registry = registry
+        self.max_frame = max_frame
+        self.current: tuple[int, Any] | None = None  # (call_id, CancelController)
+        self.shutdown = False
+        self._tg: Any = None
+
+    async def serve(self) -> None:
+        import anyio
+
+        from .._transport import fd_of
+
+        fd = fd_of(self.sock)
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            while not (self.shutdown and self.current is None):
+                self._drain()
+                if self.shutdown and self.current is None:
+                    break
+                await anyio.wait_readable(fd)
+            tg.cancel_scope.cancel()
+
+    def _send(self, frame: bytes) -> None:
+        from .._transport import readable
+
+        self.sock.send(frame, 0, copy=len(frame) < 65536)
+        # Sending may consume the edge of zmq's notification fd: drain what arrived meanwhile.
+        if readable(self.sock):
+            self._drain()
+
+    def _drain(self) -> None:
+        import zmq
+
+        from .._transport import readable
+        from ..protocol import ProtocolViolation, decode_from_supervisor
+
+        sock = self.sock
+        while readable(sock):
+            frame = sock.recv(zmq.NOBLOCK)
+            try:
+                msg = decode_from_supervisor(frame, max_len=self.max_frame)
+            except ProtocolViolation:
+                traceback.print_exc()
+                os._exit(EXIT_PROTOCOL)
+            self._handle(msg)
+
+    def _handle(self, msg: Any) -> None:
+        from ..core import CancelCause, CancelController, cancel_with_runtime_cause
+        from ..protocol import Call, Cancel, CancelAck, Ping, Pong, Shutdown, encode
+
+        if isinstance(msg, Call):
+            if self.current is not None:  # the supervisor never does this
+                os._exit(EXIT_PROTOCOL)
+            controller = CancelController()
+            self.current = (msg.call_id, controller)
+            self._tg.start_soon(self._run, msg, controller)
+        elif isinstance(msg, Cancel):
+            if self.current is not None and self.current[0] == msg.call_id:
+                cancel_with_runtime_cause(self.current[1], CancelCause(msg.cause))  # type: ignore[arg-type]
+                self._send(encode(CancelAck(msg.call_id)))
+        elif isinstance(msg, Ping):
+            self._send(encode(Pong(msg.nonce)))
+        elif isinstance(msg, Shutdown):
+            self.shutdown = True
+
+    async def _run(self, msg: Any, controller: Any) -> None:
+        from ..protocol import Result, Started, encode, unpack_value
+
+        call_id = msg.call_id
+        try:
+            args = unpack_value(msg.args, self.max_frame)
+        except ValueError as exc:
+            args = exc  # the registry turns a non-mapping into an ordinary `error`
+
+        def started() -> None:
+            self._send(encode(Started(call_id)))
+
+        result = await self.registry.execute(
+            msg.tool, args, signal=controller.signal, call_id=str(call_id), on_dispatch=started
+        )
+        packed = result._packed_value
+        if packed is None and result.value is not None:
+            from ..protocol import pack_value
+
+            packed = pack_value(result.value)
+        self.current = None
+        self._send(
+            encode(
+                Result(
+                    call_id,
+                    result.outcome.value,
+                    packed,
+                    result.error,
+                    result.error_name,
+                    result.body_started,
+                    dict(result.context),
+                )
+            )
+        )
+        if self.shutdown:
+            self._tg.cancel_scope.cancel()
