@@ -20,7 +20,8 @@ def test_all_lists_every_public_attribute() -> None:
     public = {
         name
         for name, value in vars(toolpool).items()
-        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+        if not name.startswith("_")
+        and not isinstance(value, types.ModuleType)
         and name != "annotations"
     }
     assert public <= set(toolpool.__all__) | {"__version__"}

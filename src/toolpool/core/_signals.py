@@ -151,6 +151,7 @@ class CancelSignal:
 
 
 _CONTROLLER_TOKEN: Final = object()
+_DISPOSED: Final = CancelCause("disposed")
 
 
 def _run_callback(callback: Callable[[CancelCause], object], cause: CancelCause) -> None:
@@ -226,11 +227,18 @@ class Fusion:
         """The fused signal."""
         return self._controller.signal
 
-    def close(self) -> None:
-        """Remove every listener this fusion added. Idempotent."""
+    def close(self, *, expire: bool = False) -> None:
+        """Remove every listener this fusion added. Idempotent.
+
+        With ``expire=True`` the fused signal is also cancelled with cause ``disposed`` (if it
+        was not cancelled already): its scope is over, and whoever still holds it must see
+        that it has no authority left.
+        """
         handles, self._handles = self._handles, []
         for s, handle in handles:
             s.remove_callback(handle)
+        if expire:
+            self._controller.signal._fire(_DISPOSED)
 
     def __enter__(self) -> CancelSignal:
         return self.signal

@@ -440,7 +440,7 @@ class Registry:
         done = anyio.Event()
 
         async def run_shielded() -> None:
-            with anyio.CancelScope(shield=False):
+            with anyio.CancelScope(shield=True):
                 try:
                     async with anyio.create_task_group() as inner:
                         if deadline is not None:
@@ -462,7 +462,9 @@ class Registry:
                     cancel_with_runtime_cause(parent, _PARENT_CAUSE)
                     raise
         finally:
-            fusion.close()
+            # The call is over: its signal's authority ends with it. A stray task that kept
+            # the signal sees it cancelled ("disposed"), never a signal that seems alive (C2.1).
+            fusion.close(expire=True)
             self._in_flight -= 1
             if self._in_flight == 0 and self._idle is not None:
                 self._idle.set()
@@ -554,9 +556,9 @@ class Registry:
                 state.refused = True
                 raise AbortError(ABORTED_BEFORE_DISPATCH_TEXT, cause=body_signal.reason)
             state.body_signal = body_signal
-            state.body_started = True
             if on_dispatch is not None:
                 on_dispatch()
+            state.body_started = True
             call_kwargs = kwargs
             if spec.signature.execution_param is not None:
                 call_kwargs = {
@@ -593,7 +595,7 @@ class Registry:
             return self._classify_failure(run, state, exc)
         finally:
             for fusion in fusions:
-                fusion.close()
+                fusion.close(expire=True)
             run.dispatch_signal = caller
 
         if not state.body_started:
