@@ -40,8 +40,10 @@ __all__ = (
 #: The wire protocol's version; separate from the package version.
 PROTOCOL_VERSION: Final = 1
 
-#: Default cap on one frame, in bytes (enforced by ZMQ_MAXMSGSIZE and again here).
-DEFAULT_MAX_FRAME: Final = 64 * 1024 * 1024
+#: Default cap on one frame, in bytes (enforced by ZMQ_MAXMSGSIZE and again here). Decoding
+#: a hostile frame can cost about 64 bytes of memory per frame byte (a frame of nested empty
+#: arrays), so this bounds the worst case near 512 MiB; raise it knowingly.
+DEFAULT_MAX_FRAME: Final = 8 * 1024 * 1024
 
 #: Outcomes a worker may report (``killed`` and ``worker_lost`` are the supervisor's to say).
 OUTCOME_NAMES: Final = frozenset(
@@ -69,10 +71,12 @@ class Hello:
     pid: int
     secret: bytes
     tools: list[dict[str, Any]]
+    containment: dict[str, Any] = field(default_factory=dict)
+    """What the worker's own set-up applied: ``{layer: [active, detail]}``."""
     TYPE: ClassVar[str] = "hello"
 
     def fields(self) -> list[Any]:
-        return [self.version, self.pid, self.secret, self.tools]
+        return [self.version, self.pid, self.secret, self.tools, self.containment]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +124,8 @@ class Result:
     error_name: str | None
     body_started: bool
     context: dict[str, Any] = field(default_factory=dict)
+    leftovers: int = 0
+    """Child processes of the worker still present when the call ended."""
     TYPE: ClassVar[str] = "result"
 
     def fields(self) -> list[Any]:
@@ -131,6 +137,7 @@ class Result:
             self.error_name,
             self.body_started,
             self.context,
+            self.leftovers,
         ]
 
 
@@ -283,14 +290,14 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
     """Decode and validate one frame a worker sent. Raises :class:`ProtocolViolation`."""
     kind, body = _frame(frame, max_len)
     if kind == "result":
-        _arity(body, 7, kind)
+        _arity(body, 8, kind)
         outcome = body[1]
-        if outcome not in OUTCOME_NAMES or type(outcome) is not str:
+        if type(outcome) is not str or outcome not in OUTCOME_NAMES:
             raise ProtocolViolation(f"unknown outcome {outcome!r}")
         if type(body[5]) is not bool:
             raise ProtocolViolation("body_started must be a boolean")
-        if type(body[6]) is not dict:
-            raise ProtocolViolation("context must be a map")
+        if type(body[6]) is not dict or not all(type(k) is str for k in body[6]):
+            raise ProtocolViolation("context must be a map with string keys")
         return Result(
             _int_id(body[0], "call_id"),
             outcome,
@@ -299,6 +306,7 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
             _text(body[4], "error_name", _MAX_NAME, optional=True),
             body[5],
             body[6],
+            _int_id(body[7], "leftovers"),
         )
     if kind == "started":
         _arity(body, 1, kind)
@@ -310,13 +318,24 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
         _arity(body, 1, kind)
         return Pong(_int_id(body[0], "nonce"))
     if kind == "hello":
-        _arity(body, 4, kind)
+        _arity(body, 5, kind)
+        report = body[4]
+        if type(report) is not dict or not all(
+            type(k) is str and type(v) is list and len(v) == 2 and type(v[0]) is bool
+            for k, v in report.items()
+        ):
+            raise ProtocolViolation("containment must map layer names to [active, detail]")
         if type(body[3]) is not list or not all(type(t) is dict for t in body[3]):
             raise ProtocolViolation("tools must be an array of maps")
         for tool in body[3]:
-            _text(tool.get("name"), "tool name", _MAX_NAME)
+            if not _text(tool.get("name"), "tool name", _MAX_NAME):
+                raise ProtocolViolation("a tool name must not be empty")
         return Hello(
-            _int_id(body[0], "version"), _int_id(body[1], "pid"), _bin(body[2], "secret"), body[3]
+            _int_id(body[0], "version"),
+            _int_id(body[1], "pid"),
+            _bin(body[2], "secret"),
+            body[3],
+            report,
         )
     if kind == "fatal":
         _arity(body, 2, kind)
@@ -335,7 +354,12 @@ def decode_from_supervisor(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) ->
     if kind == "cancel":
         _arity(body, 2, kind)
         cause = body[1]
-        if type(cause) is not dict or list(cause) != ["kind"] or cause["kind"] not in _CAUSE_KINDS:
+        if (
+            type(cause) is not dict
+            or list(cause) != ["kind"]
+            or type(cause["kind"]) is not str
+            or cause["kind"] not in _CAUSE_KINDS
+        ):
             raise ProtocolViolation(f"invalid cancel cause {cause!r}")
         return Cancel(_int_id(body[0], "call_id"), cause["kind"])
     if kind == "ping":

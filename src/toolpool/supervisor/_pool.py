@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import heapq
 import hmac
 import itertools
+import json
 import logging
 import math
 import os
 import secrets
 import shutil
 import signal
+import struct
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Generator, Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any, Final, Literal, final
 
@@ -66,8 +70,18 @@ from ..protocol import (
 from ..protocol import (
     Result as ResultMessage,
 )
+from ..sandbox import LAYERS, Profile
+from ..sandbox._cgroups import CgroupSet
 from ._reaper import ReaperClient
-from ._results import Result, Rung, Statistics, Timeline, WorkerState
+from ._results import (
+    ContainmentReport,
+    Layer,
+    Result,
+    Rung,
+    Statistics,
+    Timeline,
+    WorkerState,
+)
 
 __all__ = ("Call", "Group", "Pool")
 
@@ -107,10 +121,12 @@ class Call:
         "_deadline",
         "_event",
         "_group",
+        "_laddering",
         "_pool",
         "_result",
         "_rung",
         "_started",
+        "_started_event",
         "_state",
         "_times",
         "_worker",
@@ -133,9 +149,11 @@ class Call:
         self._cause: CancelCause | None = None
         self._rung = Rung.NONE
         self._started = False
+        self._started_event: anyio.Event | None = None
         self._result: Result | None = None
         self._event: anyio.Event | None = None
         self._deadline: float | None = None
+        self._laddering = False
         self._times: dict[str, float] = {"submitted": time.monotonic()}
 
     def cancel(self, cause: object = None, *, force: bool = False) -> None:
@@ -172,7 +190,24 @@ class Call:
         assert self._result is not None
         return self._result
 
-    def __await__(self) -> Any:
+    async def wait_started(self) -> bool:
+        """Wait until the worker reports the body started, or the call settled first.
+
+        Returns True if the body started (it may have finished since), False if the call
+        settled without the start being reported.
+        """
+        if not self._started and self._result is None:
+            if self._started_event is None:
+                self._started_event = anyio.Event()
+            await self._started_event.wait()
+        return self._started
+
+    @property
+    def started(self) -> bool:
+        """True once the worker reported that the body was invoked."""
+        return self._started
+
+    def __await__(self) -> Generator[Any, None, Result]:
         return self.wait().__await__()
 
     def __repr__(self) -> str:
@@ -268,13 +303,14 @@ class _Worker:
         "catalog",
         "disconnected",
         "endpoint",
+        "escalated",
         "exit_status",
         "fatal",
         "gone",
         "gone_event",
         "hello_event",
-        "laddering",
         "last_call_id",
+        "pending",
         "pid",
         "scopes",
         "secret",
@@ -303,8 +339,9 @@ class _Worker:
         self.gone_event = anyio.Event()
         self.hello_event = anyio.Event()
         self.scopes: list[anyio.CancelScope] = []
-        self.laddering = False
         self.disconnected = False
+        self.escalated = False
+        self.pending: Callable[..., None] | None = None
 
     def __repr__(self) -> str:
         return f"<worker {self.wid} pid={self.pid} {self.state.value}>"
@@ -336,6 +373,8 @@ class Pool:
         max_start_failures: int = 3,
         worker_output: WorkerOutput = "discard",
         env: Mapping[str, str] | None = None,
+        profile: Profile | str = "default",
+        allow_background: bool = False,
     ) -> None:
         """
         :param tools: ``"module:attribute"`` naming the Registry.
@@ -348,6 +387,10 @@ class Pool:
         :param worker_output: ``"discard"`` (default) or ``"inherit"`` the workers'
             stdout/stderr. Discarded output can never block a worker.
         :param env: the workers' environment (default: this process's, plus ``PYTHONPATH``).
+        :param profile: the containment profile, a :class:`toolpool.Profile` or its name
+            (``"default"``, ``"untrusted"``); see ``docs/security.md``.
+        :param allow_background: keep processes a call leaves running when its body returns.
+            By default they are killed before the worker takes its next call.
         """
         if not isinstance(tools, str) or ":" not in tools:
             raise ConfigurationError(f"tools must be 'module:attribute', got {tools!r}")
@@ -377,6 +420,15 @@ class Pool:
         self.max_start_failures = max_start_failures
         self.worker_output: WorkerOutput = worker_output
         self._env = dict(env) if env is not None else None
+        if isinstance(profile, str):
+            profile = Profile.named(profile)
+        if not isinstance(profile, Profile):
+            raise TypeError(f"profile must be a toolpool.Profile or a name, not {profile!r}")
+        self.profile = profile
+        self.allow_background = bool(allow_background)
+        self._cgroups: CgroupSet | None = None
+        self._supervisor_layers: dict[str, tuple[bool, str]] = {}
+        self._worker_layers: dict[str, list[Any]] | None = None
 
         self._state: Literal["new", "starting", "running", "closing", "closed"] = "new"
         self._tg: anyio.abc.TaskGroup | None = None
@@ -387,7 +439,7 @@ class Pool:
         self._ready: list[_Worker] = []
         self._queue: collections.deque[Call] = collections.deque()
         self._calls: dict[int, Call] = {}
-        self._groups: set[Group] = set()
+        self._groups: weakref.WeakSet[Group] = weakref.WeakSet()
         self._catalog: dict[str, dict[str, Any]] = {}
         self._wids = itertools.count(1)
         self._call_ids = itertools.count(1)
@@ -436,6 +488,7 @@ class Pool:
             self._ctx = zmq.Context(io_threads=1)
             self._reaper = ReaperClient(self._on_reaper_event)
             await self._reaper.start(self.start_timeout)
+            self._setup_containment()
             self._tg.start_soon(self._reaper.run)
             self._tg.start_soon(self._deadline_clock)
             for _ in range(self.size):
@@ -495,9 +548,9 @@ class Pool:
     async def _teardown(self) -> None:
         # Workers: idle ones exit on Shutdown; anything left after term_grace is killed.
         for w in list(self._workers.values()):
-            if w.state in (WorkerState.READY, WorkerState.SPAWNING) and not w.gone:
-                w.state = WorkerState.QUARANTINED
-                self._send(w, encode(Shutdown()))
+            if w.state is WorkerState.READY and not w.gone:
+                self._retire(w)
+            # A spawning worker is retired when its hello arrives (see _on_message).
         with anyio.move_on_after(self.term_grace):
             await self._wait_all_gone()
         for w in list(self._workers.values()):
@@ -512,9 +565,106 @@ class Pool:
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
+        if self._cgroups is not None:
+            self._cgroups.remove()
+            self._cgroups = None
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+    def _setup_containment(self) -> None:
+        """Detect and prepare the supervisor-side layers; refuse to start without required
+        ones."""
+        profile = self.profile
+        layers = self._supervisor_layers
+        layers["session"] = (True, "each worker leads its own session and process group")
+        reaper = self._reaper
+        assert reaper is not None
+        layers["subreaper"] = (
+            (True, "workers and the reaper are child subreapers: daemons stay in the tree")
+            if reaper.subreaper
+            else (False, "PR_SET_CHILD_SUBREAPER is not available")
+        )
+        try:
+            os.close(os.pidfd_open(os.getpid()))
+            layers["pidfd"] = (True, "process deaths are awaited without polling")
+        except (AttributeError, OSError) as exc:
+            layers["pidfd"] = (False, f"pidfd_open: {exc}")
+        if "cgroups" in profile.disable:
+            cg = CgroupSet(
+                reasons=dict.fromkeys(("v2", "memory", "pids"), "disabled by the profile")
+            )
+        else:
+            cg = CgroupSet.create(
+                f"toolpool-{os.getpid()}-{id(self):x}",
+                memory=profile.memory is not None,
+                pids=profile.max_processes is not None,
+            )
+        self._cgroups = cg
+        layers["cgroup_kill"] = (
+            (True, f"cgroup v2 per worker, cgroup.kill + populated 0 ({cg.base['v2']})")
+            if "v2" in cg.base
+            else (False, f"cgroup v2: {cg.reasons.get('v2', 'unavailable')}")
+        )
+        for name, hierarchy, wanted in (
+            ("cgroup_memory", "memory", profile.memory),
+            ("cgroup_pids", "pids", profile.max_processes),
+        ):
+            if wanted is None:
+                layers[name] = (False, "no limit requested by the profile")
+            elif hierarchy in cg.base:
+                layers[name] = (True, f"limit {wanted} per worker tree ({cg.base[hierarchy]})")
+            else:
+                layers[name] = (False, cg.reasons.get(hierarchy, "unavailable"))
+        layers["scratch_dir"] = (
+            (True, "a private working directory per worker, removed when it is gone")
+            if profile.scratch_dir
+            else (False, "not requested by the profile")
+        )
+        layers["env_allowlist"] = (
+            (True, f"only {', '.join(profile.env_allowlist or ())} (+ toolpool's own)")
+            if profile.env_allowlist is not None
+            else (False, "workers inherit the supervisor's environment")
+        )
+        missing = [
+            f"{name}: {layers[name][1]}"
+            for name in sorted(profile.require)
+            if name in layers and not layers[name][0]
+        ]
+        if missing:
+            raise WorkerStartError(
+                "the profile requires containment layers this machine lacks: " + "; ".join(missing)
+            )
+
+    def containment(self) -> ContainmentReport:
+        """What protects this pool's workers, layer by layer: active or not, and why.
+
+        Worker-side layers (rlimits, network namespace) are as the first worker reported them.
+        """
+        merged: dict[str, tuple[bool, str]] = dict(self._supervisor_layers)
+        worker = self._worker_layers or {}
+        if "rlimits" in worker:
+            merged["rlimits"] = (bool(worker["rlimits"][0]), str(worker["rlimits"][1]))
+        if self.profile.network:
+            merged["netns"] = (False, "network allowed by the profile")
+        elif "netns" in worker:
+            merged["netns"] = (bool(worker["netns"][0]), str(worker["netns"][1]))
+        if not self.profile.landlock:
+            merged["landlock"] = (False, "not requested by the profile")
+        elif "landlock" in worker:
+            merged["landlock"] = (bool(worker["landlock"][0]), str(worker["landlock"][1]))
+        if "cgroups_joined" in worker and not worker["cgroups_joined"][0]:
+            for name in ("cgroup_kill", "cgroup_memory", "cgroup_pids"):
+                if merged.get(name, (False, ""))[0]:
+                    merged[name] = (False, f"worker could not join: {worker['cgroups_joined'][1]}")
+        order = {name: i for i, name in enumerate(LAYERS)}
+        layers = tuple(
+            Layer(name, active, detail)
+            for name, (active, detail) in sorted(
+                merged.items(), key=lambda kv: order.get(kv[0], 99)
+            )
+        )
+        return ContainmentReport(self.profile.name, self.profile.describe(), layers)
 
     async def _wait_all_gone(self) -> None:
         while any(not w.gone for w in self._workers.values()):
@@ -705,8 +855,8 @@ class Pool:
         if call._rung is Rung.NONE:
             self._raise_rung(call, Rung.CANCEL)
             self._send(w, encode(Cancel(call.id, call._cause.kind)))
-        if not w.laddering and self._tg is not None:
-            w.laddering = True
+        if not call._laddering and self._tg is not None:
+            call._laddering = True
             self._tg.start_soon(self._ladder, w, call)
 
     def _settle_unstarted(self, call: Call, cause: CancelCause) -> None:
@@ -732,7 +882,6 @@ class Pool:
         with anyio.move_on_after(self.cancel_grace):
             await call.wait()
         if call._result is not None and w.state is not WorkerState.QUARANTINED:
-            w.laddering = False
             return
         if w.gone:
             return
@@ -748,6 +897,7 @@ class Pool:
             call._rung = rung
 
     def _terminate(self, w: _Worker) -> None:
+        w.escalated = True
         w.state = WorkerState.QUARANTINED
         if w.call is not None:
             self._raise_rung(w.call, Rung.SIGTERM)
@@ -756,10 +906,17 @@ class Pool:
             self._reaper.signal_tree(w.wid, signal.SIGTERM)
 
     def _kill(self, w: _Worker) -> None:
+        w.escalated = True
         self._quarantine(w, None)
         if w.call is not None:
             self._raise_rung(w.call, Rung.SIGKILL)
             w.call._times.setdefault("sigkill", time.monotonic())
+
+    def _retire(self, w: _Worker) -> None:
+        if w in self._ready:
+            self._ready.remove(w)
+        w.state = WorkerState.RETIRING
+        self._send(w, encode(Shutdown()))
 
     def _quarantine(self, w: _Worker, violation: str | None) -> None:
         """Take w out of service for good and kill its tree (C4.2, C7)."""
@@ -771,6 +928,9 @@ class Pool:
         w.state = WorkerState.QUARANTINED
         if self._reaper is not None and not w.gone:
             self._reaper.kill_tree(w.wid)
+            if w.call is not None and violation is not None:
+                self._raise_rung(w.call, Rung.SIGKILL)
+                w.call._times.setdefault("sigkill", time.monotonic())
 
     # ------------------------------------------------------------------ settlement
 
@@ -785,6 +945,7 @@ class Pool:
         body_started: bool | None,
         context: Mapping[str, Any] | None = None,
         exit_status: int | None = None,
+        leftovers_killed: int = 0,
     ) -> None:
         if call._result is not None:
             return
@@ -811,6 +972,7 @@ class Pool:
             exit_code=exit_code,
             exit_signal=exit_signal,
             context=MappingProxyType(dict(context or {})),
+            leftovers_killed=leftovers_killed,
             timeline=Timeline(**call._times),
         )
         call._state = _CallState.SETTLED
@@ -825,6 +987,8 @@ class Pool:
             w.last_call_id = call.id
         if call._event is not None:
             call._event.set()
+        if call._started_event is not None:
+            call._started_event.set()
 
     # ------------------------------------------------------------------ deadlines
 
@@ -865,6 +1029,22 @@ class Pool:
         secret = secrets.token_hex(32).encode()
         w = _Worker(wid, endpoint, sock, secret)
         self._workers[wid] = w
+        profile = self.profile
+        cleanup: list[str] = []
+        procs: list[str] = []
+        kill_dir: str | None = None
+        if self._cgroups is not None and self._cgroups.base:
+            wc = self._cgroups.for_worker(
+                wid, memory=profile.memory, max_processes=profile.max_processes
+            )
+            procs = wc.procs_files
+            kill_dir = wc.kill_dir
+            cleanup.extend(sorted(set(wc.dirs.values())))
+        scratch: str | None = None
+        if profile.scratch_dir:
+            scratch = os.path.join(self._dir, f"scratch-w{wid}")
+            os.mkdir(scratch, 0o700)
+            cleanup.append(scratch)
         argv = [
             sys.executable,
             "-m",
@@ -877,21 +1057,39 @@ class Pool:
             str(self._reaper.pid),
             "--max-frame",
             str(self.max_frame),
+            "--profile",
+            json.dumps(profile.to_wire()),
+            "--cgroup-procs",
+            ",".join(procs),
         ]
         self._reaper.spawn(
-            wid, argv, env=self._worker_env(), stdin=secret + b"\n", output=self.worker_output
+            wid,
+            argv,
+            env=self._worker_env(scratch),
+            stdin=secret + b"\n",
+            output=self.worker_output,
+            cwd=scratch,
+            cgroup=kill_dir,
+            cleanup=cleanup,
         )
         self._started_count += 1
         self._tg.start_soon(self._serve_worker, w)
         self._tg.start_soon(self._watch_disconnect, w)
         return w
 
-    def _worker_env(self) -> dict[str, str]:
+    def _worker_env(self, scratch: str | None) -> dict[str, str]:
         env = dict(os.environ) if self._env is None else dict(self._env)
+        allow = self.profile.env_allowlist
+        if allow is not None:
+            env = {k: env[k] for k in allow if k in env}
         paths = [p or os.getcwd() for p in sys.path]
         if env.get("PYTHONPATH"):
             paths.append(env["PYTHONPATH"])
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        if scratch is not None:
+            env["TMPDIR"] = scratch
+            if allow is not None:
+                env["HOME"] = scratch
         return env
 
     async def _serve_worker(self, w: _Worker) -> None:
@@ -916,15 +1114,28 @@ class Pool:
             self._close_worker(w)
 
     async def _watch_disconnect(self, w: _Worker) -> None:
-        """Notice a dropped connection (an oversized frame makes zmq disconnect the peer)."""
-        monitor = w.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        """Notice a dropped connection (an oversized frame makes zmq disconnect the peer).
+
+        Only the worker's own connection counts: the first one accepted (the worker connects
+        before any tool code runs; a PAIR socket refuses a second peer while it has one). A
+        stranger that connects and leaves cannot get the worker killed.
+        """
+        monitor = w.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        own_fd: int | None = None
         fd = fd_of(monitor)
         try:
             with _scope(w):
                 while not w.gone:
                     while readable(monitor):
                         frames = monitor.recv_multipart(zmq.NOBLOCK)
-                        event = int.from_bytes(frames[0][:2], "little")
+                        event, value = struct.unpack("=HI", frames[0][:6])
+                        if event == zmq.EVENT_ACCEPTED:
+                            if own_fd is None:
+                                own_fd = value
+                            continue
+                        if value != own_fd:
+                            _log.warning("worker %s: a stranger connected to its socket", w.wid)
+                            continue
                         if event == zmq.EVENT_DISCONNECTED and not w.gone:
                             self._drain(w)  # take what it sent before the drop
                             w.disconnected = True
@@ -959,6 +1170,9 @@ class Pool:
                 self._on_message(w, msg)
             except ProtocolViolation as exc:
                 self._quarantine(w, f"protocol violation: {exc}")
+            except Exception as exc:  # a decoder gap must never take the supervisor down
+                _log.exception("worker %s: unexpected error handling its message", w.wid)
+                self._quarantine(w, f"protocol violation: {type(exc).__name__}: {exc}")
 
     def _on_message(self, w: _Worker, msg: Any) -> None:
         if isinstance(msg, ResultMessage):
@@ -967,7 +1181,8 @@ class Pool:
                 raise ProtocolViolation(f"result for call {msg.call_id}, which it does not own")
             value = unpack_value(msg.value, self.max_frame) if msg.value is not None else None
             call._times["returned"] = time.monotonic()
-            self._settle(
+            settle = functools.partial(
+                self._settle,
                 call,
                 Outcome(msg.outcome),
                 value=value,
@@ -976,6 +1191,15 @@ class Pool:
                 body_started=msg.body_started,
                 context=msg.context,
             )
+            if msg.leftovers and not self.allow_background and self._reaper is not None:
+                # The call left processes behind: kill them before settling, so the result
+                # can say how many, and the next call never inherits them.
+                w.pending = settle
+                if w.state is WorkerState.BUSY:
+                    w.state = WorkerState.CLEANING
+                self._reaper.clean(w.wid)
+                return
+            settle()
             if w.state is WorkerState.BUSY:
                 w.state = WorkerState.READY
                 self._ready.append(w)
@@ -987,6 +1211,8 @@ class Pool:
             call._started = True
             call._state = _CallState.RUNNING
             call._times["started"] = time.monotonic()
+            if call._started_event is not None:
+                call._started_event.set()
         elif isinstance(msg, CancelAck):
             call = w.call
             if call is not None and call.id == msg.call_id:
@@ -1011,12 +1237,17 @@ class Pool:
                     raise ProtocolViolation(f"tool {name!r} differs from the other workers'")
             self._catalog.update(catalog)
             w.catalog = catalog
+            if self._worker_layers is None:
+                self._worker_layers = dict(msg.containment)
             w.state = WorkerState.READY
             self._start_failures = 0
             w.hello_event.set()
-            self._ready.append(w)
+            if self._state in ("closing", "closed"):
+                self._retire(w)
+            else:
+                self._ready.append(w)
+                self._dispatch()
             self._notify_workers_changed()
-            self._dispatch()
         elif isinstance(msg, Fatal):
             if w.state is not WorkerState.SPAWNING or not hmac.compare_digest(msg.secret, w.secret):
                 raise ProtocolViolation("an unexpected 'fatal' message")
@@ -1059,6 +1290,9 @@ class Pool:
             if self._state not in ("closing", "closed"):
                 _log.error("the pool's reaper process went away")
                 self._broken = WorkerStartError("the pool's reaper process went away")
+                self._fail_queue()
+                if self._tg is not None:
+                    self._tg.start_soon(self._settle_orphaned_workers)
             return
         w = self._workers.get(int(event.get("wid", 0)))
         if w is None:
@@ -1075,19 +1309,45 @@ class Pool:
                 self._start_failure(w, f"the worker exited with status {w.exit_status} at start")
         elif kind == "gone":
             self._worker_gone(w)
+        elif kind == "cleaned":
+            pending, w.pending = w.pending, None
+            if pending is not None:
+                pending(leftovers_killed=int(event.get("count", 0)))
+            if w.state is WorkerState.CLEANING and not w.gone:
+                w.state = WorkerState.READY
+                self._ready.append(w)
+                self._dispatch()
+        elif kind == "stuck":
+            _log.error("worker %s: its cgroup would not empty; still trying", w.wid)
+
+    async def _settle_orphaned_workers(self) -> None:
+        """The reaper died: workers die with it (PDEATHSIG). Wait for each, then settle.
+
+        Without the reaper the tree below a worker cannot be verified; the pool is broken and
+        says so (WorkerStartError on every new call).
+        """
+        for w in list(self._workers.values()):
+            if w.pid is not None:
+                await _wait_pid_gone(w.pid)
+            w.violation = w.violation or "the pool's reaper process died"
+            self._worker_gone(w)
 
     def _worker_gone(self, w: _Worker) -> None:
         """The worker and every process it spawned are gone: settle, replace (C4.3, C4.6)."""
         if w.gone:
             return
         was_serving = w.state in (WorkerState.READY, WorkerState.BUSY, WorkerState.QUARANTINED)
+        was_serving = was_serving and w.hello_event.is_set()
         w.gone = True
         if w in self._ready:
             self._ready.remove(w)
+        pending, w.pending = w.pending, None
+        if pending is not None:  # its body returned; the clean-up was overtaken by its death
+            pending()
         call = w.call
         if call is not None:
             call._times["reaped"] = time.monotonic()
-            if w.violation is None and _RUNG_ORDER[call._rung] >= _RUNG_ORDER[Rung.SIGTERM]:
+            if w.escalated and w.violation is None:
                 self._settle(
                     call,
                     Outcome.KILLED,
@@ -1146,6 +1406,34 @@ def _describe_exit(status: int | None, disconnected: bool = False) -> str:
             name = f"signal {-status}"
         return f"the worker was killed by {name}"
     return f"the worker exited with status {status}"
+
+
+async def _wait_pid_gone(pid: int) -> None:
+    """Wait until ``pid`` no longer names a live process (it is not our child).
+
+    A pidfd becomes readable when the process dies; without pidfd support, poll.
+    """
+    import psutil
+
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    if pidfd is not None:
+        try:
+            await anyio.wait_readable(pidfd)
+        finally:
+            os.close(pidfd)
+        return
+    delay = 0.001
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        await anyio.sleep(delay)  # no event exists for a non-child's death without pidfd
+        delay = min(delay * 2, 0.05)
 
 
 def _spawning(w: _Worker) -> bool:

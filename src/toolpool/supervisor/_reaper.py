@@ -116,13 +116,34 @@ class ReaperClient:
         env: dict[str, str] | None,
         stdin: bytes,
         output: str,
+        cwd: str | None = None,
+        cgroup: str | None = None,
+        cleanup: list[str] | None = None,
     ) -> None:
-        """Ask for a worker process; answered by ``spawned`` or ``spawn_failed``."""
-        self.send(op="spawn", wid=wid, argv=argv, env=env, stdin=stdin.decode(), output=output)
+        """Ask for a worker process; answered by ``spawned`` or ``spawn_failed``.
+
+        ``cgroup`` is the worker's v2 cgroup (``cgroup.kill`` is its kill barrier);
+        ``cleanup`` lists directories to remove once its tree is gone.
+        """
+        self.send(
+            op="spawn",
+            wid=wid,
+            argv=argv,
+            env=env,
+            cwd=cwd,
+            stdin=stdin.decode(),
+            output=output,
+            cgroup=cgroup,
+            cleanup=cleanup or [],
+        )
 
     def signal_tree(self, wid: int, sig: int) -> None:
         """Send ``sig`` to the worker and every descendant."""
         self.send(op="signal", wid=wid, sig=int(sig))
+
+    def clean(self, wid: int) -> None:
+        """Kill the worker's descendants (not the worker); answered by ``cleaned``."""
+        self.send(op="clean", wid=wid)
 
     def kill_tree(self, wid: int) -> None:
         """Freeze the worker, SIGKILL its descendants until none is left, then SIGKILL it."""

@@ -1,6 +1,6 @@
 """The pool's reaper: a small trusted process between the supervisor and its workers.
 
-Run as a script (``python -I _reaper_main.py SUPERVISOR_PID FD``), stdlib plus psutil only, so it
+Run as a script (``python -P _reaper_main.py SUPERVISOR_PID FD``), stdlib plus psutil only, so it
 starts fast and never imports toolpool or any tool. It is a child subreaper: every worker is
 its child, and whatever a dead worker leaves behind (children, setsid'd daemons) is re-parented
 to it instead of to PID 1. It
@@ -13,22 +13,40 @@ to it instead of to PID 1. It
 * when the supervisor goes away (its end of the socket closes, or it is no longer the parent),
   kills every tree and exits, so nothing of the pool outlives it.
 
-Messages are JSON objects, one per SOCK_SEQPACKET datagram. See docs/architecture.md.
+Messages are JSON objects, one per SOCK_SEQPACKET datagram. See docs/pool.md and docs/protocol.md.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import psutil
+
+
+def _load_cgroups() -> Any:
+    """Load toolpool/sandbox/_cgroups.py by path (importing toolpool itself would be heavy)."""
+    path = Path(__file__).resolve().parent.parent / "sandbox" / "_cgroups.py"
+    spec = importlib.util.spec_from_file_location("_toolpool_cgroups", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+cgroups = _load_cgroups()
 
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_PDEATHSIG = 1
@@ -47,7 +65,10 @@ class Reaper:
         self.supervisor_pid = supervisor_pid
         self.sock = sock
         self.workers: dict[int, int] = {}  # pid -> wid, live (not yet reaped) workers
+        self.kill_dirs: dict[int, str] = {}  # wid -> its v2 cgroup (the kill barrier)
+        self.cleanup: dict[int, list[str]] = {}  # wid -> directories to remove when gone
         self.pending_gone: list[int] = []  # wids reaped whose orphans may still live
+        self.stuck: set[int] = set()  # wids whose cgroup would not empty yet
         self.closing = False
 
     # ---- messages
@@ -66,6 +87,8 @@ class Reaper:
             self.signal_tree(int(msg["wid"]), int(msg["sig"]))
         elif op == "kill":
             self.kill_worker(int(msg["wid"]))
+        elif op == "clean":
+            self.clean(int(msg["wid"]))
         elif op == "exit":
             self.closing = True
 
@@ -89,6 +112,9 @@ class Reaper:
             self.send(ev="spawn_failed", wid=wid, error=f"{type(exc).__name__}: {exc}")
             return
         self.workers[proc.pid] = wid
+        if msg.get("cgroup"):
+            self.kill_dirs[wid] = msg["cgroup"]
+        self.cleanup[wid] = list(msg.get("cleanup") or [])
         assert proc.stdin is not None
         try:
             proc.stdin.write(msg["stdin"].encode())
@@ -112,8 +138,22 @@ class Reaper:
     def kill_worker(self, wid: int) -> None:
         pid = self._pid_of(wid)
         if pid is not None:
-            rounds = kill_tree(pid)
+            rounds = kill_tree(pid, self.kill_dirs.get(wid))
             self.send(ev="killed", wid=wid, rounds=rounds)
+
+    def clean(self, wid: int) -> None:
+        """Kill what a finished call left behind: every descendant, not the worker itself."""
+        pid = self._pid_of(wid)
+        killed: set[int] = set()
+        if pid is not None:
+            for _ in range(10_000):
+                alive = [p for p in _descendants(pid) if not _is_zombie(p)]
+                if not alive:
+                    break
+                for proc in alive:
+                    killed.add(proc.pid)
+                    _signal(proc, signal.SIGKILL)
+        self.send(ev="cleaned", wid=wid, count=len(killed))
 
     def _pid_of(self, wid: int) -> int | None:
         for pid, w in self.workers.items():
@@ -152,7 +192,40 @@ class Reaper:
             self._reap_orphans_blocking(orphans)
         gone, self.pending_gone = self.pending_gone, []
         for wid in gone:
-            self.send(ev="gone", wid=wid)
+            if self.barrier(wid):
+                self.send(ev="gone", wid=wid)
+            else:  # never report a tree gone that is not: retry from the main loop
+                self.stuck.add(wid)
+                self.send(ev="stuck", wid=wid)
+
+    def retry_stuck(self) -> None:
+        for wid in list(self.stuck):
+            if self.barrier(wid):
+                self.stuck.discard(wid)
+                self.send(ev="gone", wid=wid)
+
+    def barrier(self, wid: int) -> bool:
+        """The worker is reaped and no orphan is left: empty its cgroup, remove its dirs.
+
+        Returns False if the cgroup still holds a process after a bounded wait.
+        """
+        kill_dir = self.kill_dirs.get(wid)
+        if kill_dir is not None:
+            for _ in range(10):
+                if not cgroups.populated(kill_dir):
+                    break
+                # Something of the tree is still in the cgroup (not a descendant any more?).
+                cgroups.cgroup_kill(kill_dir)
+                cgroups.wait_empty(kill_dir, 0.2)
+            if cgroups.populated(kill_dir):
+                return False
+            self.kill_dirs.pop(wid, None)
+        for path in self.cleanup.pop(wid, []):
+            if os.path.basename(path).startswith("scratch"):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                cgroups.remove(path)
+        return True
 
     def _reap_orphans_blocking(self, orphans: list[psutil.Process]) -> None:
         for orphan in orphans:
@@ -181,6 +254,8 @@ class Reaper:
             events = poller.poll(1000)
             if os.getppid() != self.supervisor_pid:
                 break  # the supervisor died (and we were re-parented)
+            if self.stuck:
+                self.retry_stuck()
             for fd, mask in events:
                 if fd == rfd:
                     try:
@@ -212,8 +287,8 @@ class Reaper:
         self.closing = True
 
     def shutdown(self) -> None:
-        for pid in list(self.workers):
-            kill_tree(pid)
+        for pid, worker_id in list(self.workers.items()):
+            kill_tree(pid, self.kill_dirs.get(worker_id))
         deadline_rounds = 0
         while self.workers and deadline_rounds < 1000:
             try:
@@ -266,12 +341,17 @@ def _kill(pid: int, sig: int) -> None:
         pass
 
 
-def kill_tree(pid: int) -> int:
-    """Freeze ``pid``, SIGKILL its descendants until none is left alive, then SIGKILL it.
+def kill_tree(pid: int, kill_dir: str | None = None) -> int:
+    """Kill ``pid`` and everything below it.
 
-    ``pid`` must be a child of this process (so its pid cannot be reused before we reap it).
-    Returns how many rounds the descendant loop took.
+    With a v2 cgroup, ``cgroup.kill`` first kills the whole tree atomically, daemons included.
+    Then, and without a cgroup: freeze ``pid``, SIGKILL its descendants until none is left
+    alive (it is a subreaper, so escaped daemons stay below it), then SIGKILL it. ``pid`` must
+    be a child of this process (so its pid cannot be reused before we reap it). Returns how
+    many rounds the descendant loop took.
     """
+    if kill_dir is not None:
+        cgroups.cgroup_kill(kill_dir)
     _kill(pid, signal.SIGSTOP)
     rounds = 0
     while rounds < 10_000:

@@ -10,7 +10,15 @@ from typing import Any, final
 
 from ..core import CancelCause, Outcome
 
-__all__ = ("Result", "Rung", "Statistics", "Timeline", "WorkerState")
+__all__ = (
+    "ContainmentReport",
+    "Layer",
+    "Result",
+    "Rung",
+    "Statistics",
+    "Timeline",
+    "WorkerState",
+)
 
 
 class Rung(enum.StrEnum):
@@ -32,6 +40,10 @@ class WorkerState(enum.StrEnum):
     SPAWNING = "spawning"
     READY = "ready"
     BUSY = "busy"
+    CLEANING = "cleaning"
+    """Its call returned leaving processes behind; they are being killed."""
+    RETIRING = "retiring"
+    """Told to exit when idle (the pool is closing)."""
     QUARANTINED = "quarantined"
     """Escalation or a protocol violation: it never gets another call."""
     EXITED = "exited"
@@ -101,6 +113,8 @@ class Result:
     exit_signal: int | None = None
     """The signal that ended the worker, where one did during this call."""
     context: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    leftovers_killed: int = 0
+    """Processes the call left running when its body returned, killed before the next call."""
     timeline: Timeline
 
     @property
@@ -131,3 +145,38 @@ class Statistics:
     workers_started: int
     workers_replaced: int
     submitted: int
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """One containment layer: whether it is active for the pool's workers, and why (not)."""
+
+    name: str
+    active: bool
+    detail: str
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class ContainmentReport:
+    """What protects a pool's workers, layer by layer (``pool.containment()``)."""
+
+    profile: str
+    limits: Mapping[str, str]
+    layers: tuple[Layer, ...]
+
+    def active(self, name: str) -> bool:
+        """Whether the layer called ``name`` is active."""
+        return any(layer.name == name and layer.active for layer in self.layers)
+
+    def format(self) -> str:
+        """A readable table."""
+        width = max(len(layer.name) for layer in self.layers)
+        lines = [f"profile: {self.profile}"]
+        lines += [f"  {k}: {v}" for k, v in self.limits.items()]
+        lines.append("layers:")
+        for layer in self.layers:
+            mark = "active  " if layer.active else "inactive"
+            lines.append(f"  {layer.name.ljust(width)}  {mark}  {layer.detail}")
+        return "\n".join(lines)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib
+import json
 import os
 import signal
 import sys
@@ -45,11 +46,32 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tools", required=True, help="module:attribute naming a Registry")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--max-frame", type=int, required=True)
+    parser.add_argument("--profile", default=None, help="containment profile (JSON)")
+    parser.add_argument(
+        "--cgroup-procs", default="", help="comma-separated cgroup.procs files to join"
+    )
     return parser.parse_args(argv)
 
 
-def setup(parent_pid: int) -> bytes:
-    """Process set-up, in an order that does not undo itself. Returns the secret."""
+def setup(
+    parent_pid: int, profile_json: str | None, procs_files: list[str]
+) -> tuple[bytes, dict[str, list[Any]], str | None]:
+    """Process set-up, in an order that does not undo itself.
+
+    Returns the secret, what the containment set-up applied, and an error that must stop the
+    worker (a required layer is missing), reported once connected.
+    """
+    from ..sandbox import Profile
+    from ..sandbox._apply import apply_profile
+
+    error: str | None = None
+    report: dict[str, list[Any]] = {}
+    try:
+        profile = Profile.from_wire(json.loads(profile_json)) if profile_json else None
+        if profile is not None:
+            report = apply_profile(profile, procs_files)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        error = f"containment set-up failed: {exc}"
     if sys.platform.startswith("linux"):
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent_pid:  # the parent died before PDEATHSIG was armed
@@ -61,7 +83,7 @@ def setup(parent_pid: int) -> bytes:
     os.close(devnull)
     if not secret:
         os._exit(EXIT_SETUP_FAILED)
-    return secret
+    return secret, report, error
 
 
 def load_registry(spec: str) -> Registry:
@@ -83,7 +105,8 @@ def load_registry(spec: str) -> Registry:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse(sys.argv[1:] if argv is None else argv)
-    secret = setup(args.parent_pid)
+    procs = [p for p in args.cgroup_procs.split(",") if p]
+    secret, report, setup_error = setup(args.parent_pid, args.profile, procs)
 
     import zmq
 
@@ -96,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     sock.setsockopt(zmq.RECONNECT_IVL, -1)
     sock.connect(args.endpoint)
     try:
+        if setup_error is not None:
+            raise RuntimeError(setup_error)
         registry = load_registry(args.tools)
         catalog = registry.catalog()
     except BaseException:
@@ -103,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         sock.close()
         ctx.term()
         os._exit(EXIT_TOOLS_FAILED)
-    sock.send(encode(Hello(PROTOCOL_VERSION, os.getpid(), secret, catalog)))
+    sock.send(encode(Hello(PROTOCOL_VERSION, os.getpid(), secret, catalog, report)))
 
     import anyio
 
@@ -188,6 +213,7 @@ class _Server:
         from ..protocol import Result, Started, encode, unpack_value
 
         call_id = msg.call_id
+        _reap_zombies()
         try:
             args = unpack_value(msg.args, self.max_frame)
         except ValueError as exc:
@@ -215,8 +241,34 @@ class _Server:
                     result.error_name,
                     result.body_started,
                     dict(result.context),
+                    len(_children()),
                 )
             )
         )
         if self.shutdown:
             self._tg.cancel_scope.cancel()
+
+
+def _children() -> list[int]:
+    """This process's child processes, zombies included (cheap: /proc, no scan)."""
+    pids: list[int] = []
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return pids
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids.extend(int(p) for p in f.read().split())
+        except OSError:
+            pass
+    return pids
+
+
+def _reap_zombies() -> None:
+    """Reap children that already exited (leftovers the supervisor killed between calls)."""
+    for pid in _children():
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass

@@ -1,0 +1,110 @@
+"""Worker-side set-up of a containment profile: runs first thing in the worker process,
+single-threaded, before zmq starts its threads and before the tools module is imported.
+
+Order (it must not undo itself): join cgroups, resource limits, network namespace; the caller
+then arms PDEATHSIG, checks the parent, and becomes a subreaper. Each step reports whether it
+is active and, if not, why; nothing fails because a layer is missing unless it is required.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import signal
+from typing import Any
+
+from ._cgroups import join
+from ._profile import Profile
+
+__all__ = ("apply_profile",)
+
+CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
+
+
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _set_limit(which: int, value: int) -> None:
+    _soft, hard = resource.getrlimit(which)
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard)
+    resource.setrlimit(which, (value, value))
+
+
+def _unshare_network() -> str:
+    libc = _libc()
+    if libc.unshare(CLONE_NEWNET) == 0:
+        return "own empty network namespace"
+    first = os.strerror(ctypes.get_errno())
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+        raise OSError(
+            f"unshare(CLONE_NEWNET): {first}; with a user namespace: "
+            f"{os.strerror(ctypes.get_errno())}"
+        )
+    with open("/proc/self/setgroups", "w") as f:
+        f.write("deny")
+    with open("/proc/self/uid_map", "w") as f:
+        f.write(f"{uid} {uid} 1")
+    with open("/proc/self/gid_map", "w") as f:
+        f.write(f"{gid} {gid} 1")
+    return "own empty network namespace (in a user namespace)"
+
+
+def apply_profile(profile: Profile, procs_files: list[str]) -> dict[str, list[Any]]:
+    """Apply ``profile`` to this process. Returns ``{layer: [active, detail]}``.
+
+    Raises :class:`RuntimeError` if a layer in ``profile.require`` could not be applied.
+    """
+    report: dict[str, list[Any]] = {}
+
+    if procs_files:
+        errors = join(procs_files)
+        report["cgroups_joined"] = [not errors, "; ".join(errors) or f"{len(procs_files)} joined"]
+
+    limits = []
+    try:
+        if not profile.core_dumps:
+            _set_limit(resource.RLIMIT_CORE, 0)
+            limits.append("core=0")
+        if profile.max_open_files is not None:
+            _set_limit(resource.RLIMIT_NOFILE, profile.max_open_files)
+            limits.append(f"nofile={profile.max_open_files}")
+        if profile.max_file_size is not None:
+            _set_limit(resource.RLIMIT_FSIZE, profile.max_file_size)
+            # A write past the cap fails with EFBIG instead of killing the writer.
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            limits.append(f"fsize={profile.max_file_size}")
+        if profile.cpu_time is not None:
+            seconds = max(1, int(profile.cpu_time))
+            _soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
+            cap = seconds + 5 if hard == resource.RLIM_INFINITY else min(seconds + 5, hard)
+            resource.setrlimit(resource.RLIMIT_CPU, (min(seconds, cap), cap))
+            limits.append(f"cpu={seconds}s")
+        report["rlimits"] = [True, ", ".join(limits) or "none requested"]
+    except (OSError, ValueError) as exc:
+        report["rlimits"] = [False, f"setrlimit failed: {exc}"]
+
+    if not profile.network:
+        try:
+            report["netns"] = [True, _unshare_network()]
+        except OSError as exc:
+            report["netns"] = [False, str(exc)]
+
+    if profile.landlock:
+        from ._landlock import restrict
+
+        try:
+            writable = [os.getcwd()] if profile.scratch_dir else []
+            report["landlock"] = [True, restrict(writable)]
+        except OSError as exc:
+            report["landlock"] = [False, str(exc)]
+
+    missing = [layer for layer in profile.require if layer in report and not report[layer][0]]
+    if missing:
+        details = "; ".join(f"{m}: {report[m][1]}" for m in missing)
+        raise RuntimeError(f"required containment layers are not available: {details}")
+    return report

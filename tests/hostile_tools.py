@@ -1,0 +1,171 @@
+"""Test-only tools that attack the wire from inside a worker (CONTRACT C7).
+
+Loaded by real worker processes as ``hostile_tools:registry``: the tests directory is on the
+test process's ``sys.path`` (pytest's rootdir-relative insertion), and workers inherit the
+supervisor's ``sys.path`` through ``PYTHONPATH``.
+
+Every attacking tool first leaves a setsid double-fork daemon behind (so the test can check the
+worker's whole tree is gone), then finds the worker's own zmq PAIR socket by walking the
+garbage collector's objects, sends one hostile frame on it, and then waits on its signal for a
+while (so a supervisor that failed to react would see an ``ok`` result, not a hang).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from typing import Any
+
+import anyio
+import msgpack
+import zmq
+
+from toolpool import Registry, ToolExecution
+from toolpool.protocol import PROTOCOL_VERSION, CancelAck, Fatal, Hello, Result, Started, encode
+from toolpool.testing import examples
+
+registry = Registry()
+
+
+def worker_socket() -> zmq.Socket[Any]:
+    """The worker's connection to the supervisor: its only open zmq PAIR socket."""
+    found = [
+        obj
+        for obj in gc.get_objects()
+        if isinstance(obj, zmq.Socket) and not obj.closed and obj.socket_type == zmq.PAIR
+    ]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one open PAIR socket in the worker, found {len(found)}")
+    return found[0]
+
+
+def hostile_frame(kind: str, call_id: int, target: int, size: int) -> list[bytes]:
+    """The frame(s) to send for attack ``kind``; ``target`` is another call's id."""
+    if kind == "garbage":
+        return [b"\xc1\xc1 this is not msgpack \x00\xff"]
+    if kind == "truncated":
+        return [msgpack.packb(["result", call_id, "ok"])[:-2]]
+    if kind == "not_an_array":
+        return [msgpack.packb({"type": "result", "call_id": call_id})]
+    if kind == "oversized":
+        return [msgpack.packb(["pong", 1, b"x" * size])]
+    if kind == "unknown_type":
+        return [msgpack.packb(["launch_missiles", call_id])]
+    if kind == "wrong_arity":
+        return [msgpack.packb(["started", call_id, "extra"])]
+    if kind == "ext_type":
+        return [msgpack.packb(["pong", msgpack.ExtType(1, b"\x00" * 8)])]
+    if kind == "killed_outcome":
+        # ``killed`` is the supervisor's to say, never the worker's.
+        return [encode(Result(call_id, "killed", None, "forged", "Killed", True, {}))]
+    if kind == "unhashable_outcome":
+        return [msgpack.packb(["result", call_id, [], None, None, None, True, {}])]
+    if kind == "result_for_other_call":
+        return [encode(Result(target, "ok", msgpack.packb("forged"), None, None, True, {}))]
+    if kind == "started_for_other_call":
+        return [encode(Started(target))]
+    if kind == "started_twice":
+        return [encode(Started(call_id))]
+    if kind == "cancel_ack_for_other_call":
+        return [encode(CancelAck(target))]
+    if kind == "second_hello":
+        return [encode(Hello(PROTOCOL_VERSION, os.getpid(), b"0" * 64, []))]
+    if kind == "late_fatal":
+        return [encode(Fatal(b"0" * 64, "not really"))]
+    if kind == "bad_value":
+        return [encode(Result(call_id, "ok", b"\xc1", None, None, True, {}))]
+    if kind == "multipart_garbage":
+        return [msgpack.packb(["pong", 1]), b"\xc1"]
+    raise ValueError(f"unknown attack {kind!r}")
+
+
+@registry.tool
+async def attack(
+    kind: str,
+    execution: ToolExecution,
+    target: int = 0,
+    size: int = 0,
+    marker: str = "",
+    linger: float = 30.0,
+) -> str:
+    """Leave a daemon behind, send a hostile frame, then wait on the signal."""
+    if marker:
+        examples.spawn_daemon(marker=marker, seconds=120.0)
+    frames = hostile_frame(kind, int(execution.call_id), target, size)
+    sock = worker_socket()
+    sock.send_multipart(frames)
+    with anyio.move_on_after(linger):
+        await execution.signal.wait()
+    return "the supervisor did not react"
+
+
+@registry.tool
+async def forge_own_result(execution: ToolExecution) -> str:
+    """Report its own call's result early, then return normally: a second result follows."""
+    forged = Result(int(execution.call_id), "ok", msgpack.packb("forged"), None, None, True, {})
+    worker_socket().send(encode(forged))
+    return "genuine"
+
+
+@registry.tool
+async def flood_pongs(seconds: float, execution: ToolExecution) -> int:
+    """Send well-formed but unsolicited pongs as fast as possible for ``seconds``."""
+    sock = worker_socket()
+    frame = msgpack.packb(["pong", 7])
+    sent = 0
+    with anyio.move_on_after(seconds):
+        while not execution.signal.cancelled:
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                await anyio.sleep(0)
+            if sent % 1000 == 0:
+                await anyio.sleep(0)
+    return sent
+
+
+@registry.tool
+async def nap(seconds: float, execution: ToolExecution) -> str:
+    """Sleep cooperatively: ends ``aborted`` when cancelled."""
+    with anyio.move_on_after(seconds):
+        await execution.signal.wait()
+        execution.signal.raise_if_cancelled()
+    return "rested"
+
+
+@registry.tool
+def echo(value: Any = None) -> Any:
+    """Return the value."""
+    return value
+
+
+@registry.tool
+def pid() -> int:
+    """The worker's pid."""
+    return os.getpid()
+
+
+@registry.tool
+async def poke_neighbours(send: bool = False, hold: float = 0.5) -> int:
+    """Connect a PAIR socket to every other worker endpoint in the pool's directory."""
+    endpoint = sys.argv[sys.argv.index("--endpoint") + 1]
+    directory, own = os.path.split(endpoint.removeprefix("ipc://"))
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for name in sorted(os.listdir(directory)):
+            if name != own and name.endswith(".sock"):
+                sock = ctx.socket(zmq.PAIR)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(f"ipc://{directory}/{name}")
+                if send:
+                    sock.send(b"\xc1", zmq.NOBLOCK)
+                socks.append(sock)
+        await anyio.sleep(hold)
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+    return len(socks)

@@ -1,0 +1,202 @@
+"""Containment for untrusted tools: profiles, layers, and the hostile-tool kit (issue 4).
+
+Real worker processes under the ``untrusted`` profile (every layer this machine has) and under
+the weakest set-up (no cgroups: subreapers and the kill loop only). The kit's own checks say
+which guarantees hold where; here every entry must pass, leave no process of its marker
+anywhere on the machine, and leave a pool that still serves calls.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+import toolpool
+from toolpool.sandbox import Profile, parse_duration, parse_size
+from toolpool.testing.hostile import THREATS, run_threat
+
+HOSTILE = "toolpool.testing.hostile:registry"
+EXAMPLES = "toolpool.testing.examples:registry"
+IS_ROOT = os.geteuid() == 0
+
+WEAKEST = Profile.default().with_limits(disable=frozenset({"cgroups"}))
+PROFILES = {"untrusted": Profile.untrusted(), "weakest": WEAKEST}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _cgroup_dirs(pool: toolpool.Pool) -> list[str]:
+    cgroups = pool._cgroups
+    return sorted(set(cgroups.base.values())) if cgroups is not None else []
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("profile_name", sorted(PROFILES))
+@pytest.mark.parametrize("threat", THREATS, ids=[t.name for t in THREATS])
+async def test_kit_entry(threat: Any, profile_name: str) -> None:
+    profile = PROFILES[profile_name]
+    me = psutil.Process()
+    rss_before = me.memory_info().rss
+    async with toolpool.Pool(
+        HOSTILE, workers=2, cancel_grace=0.3, term_grace=0.3, profile=profile
+    ) as pool:
+        pool_dir = pool._dir
+        cgroup_dirs = _cgroup_dirs(pool)
+        marker = f"toolpool-test-{os.getpid()}-{threat.tool}-{profile_name}"
+        verdict = await run_threat(pool, threat, marker)
+        assert verdict.passed, verdict
+        assert verdict.leftovers == []
+        reaper = pool.reaper_pid
+        workers = pool.worker_pids()
+    # Closed: nothing of the pool left, its scratch and cgroup directories removed.
+    for pid in [reaper, *workers]:
+        assert pid is not None
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert pool_dir is not None
+    assert not Path(pool_dir).exists()
+    for path in cgroup_dirs:
+        assert not Path(path).exists(), path
+    # The supervisor's memory is bounded whatever the tool did (a flood, a hog...).
+    assert me.memory_info().rss - rss_before < 64 * 1024**2
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not IS_ROOT, reason="cgroups need root here")
+async def test_untrusted_profile_activates_every_layer_this_machine_has() -> None:
+    async with toolpool.Pool(EXAMPLES, workers=1, profile="untrusted") as pool:
+        await pool.call("noop")
+        report = pool.containment()
+    active = {layer.name for layer in report.layers if layer.active}
+    expected = {"session", "subreaper", "pidfd", "rlimits", "netns", "scratch_dir"}
+    expected |= {"env_allowlist", "landlock", "cgroup_kill", "cgroup_memory", "cgroup_pids"}
+    assert expected <= active, report.format()
+    assert report.profile == "untrusted"
+    assert "layers:" in report.format()
+
+
+@pytest.mark.anyio
+async def test_weakest_profile_reports_its_missing_layers() -> None:
+    async with toolpool.Pool(EXAMPLES, workers=1, profile=WEAKEST) as pool:
+        await pool.call("noop")
+        report = pool.containment()
+    by_name = {layer.name: layer for layer in report.layers}
+    assert not by_name["cgroup_kill"].active
+    assert "disabled" in by_name["cgroup_kill"].detail
+    assert not by_name["netns"].active
+    assert by_name["subreaper"].active
+
+
+@pytest.mark.anyio
+async def test_a_required_layer_that_is_missing_is_a_start_error() -> None:
+    profile = WEAKEST.with_limits(require=frozenset({"cgroup_kill"}))
+    pool = toolpool.Pool(EXAMPLES, workers=1, profile=profile)
+    with pytest.raises(toolpool.WorkerStartError, match="cgroup_kill"):
+        await pool.start()
+    await pool.aclose()
+
+
+@pytest.mark.anyio
+async def test_untrusted_environment_is_an_allowlist_and_cwd_a_private_scratch() -> None:
+    os.environ["TOOLPOOL_TEST_SECRET"] = "must-not-leak"
+    try:
+        async with toolpool.Pool(HOSTILE, workers=1, profile="untrusted") as pool:
+            env = (await pool.call("environment")).value
+            cwd = (await pool.call("working_directory")).value
+            assert Path(cwd).is_dir()
+    finally:
+        del os.environ["TOOLPOOL_TEST_SECRET"]
+    assert "TOOLPOOL_TEST_SECRET" not in env
+    allowed = {"PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM", "PYTHONPATH", "TMPDIR", "HOME"}
+    assert set(env) <= allowed
+    assert env["HOME"] == cwd
+    assert env["TMPDIR"] == cwd
+    assert not Path(cwd).exists()  # removed once the worker was gone
+
+
+@pytest.mark.anyio
+async def test_default_profile_inherits_the_environment() -> None:
+    os.environ["TOOLPOOL_TEST_VISIBLE"] = "yes"
+    try:
+        async with toolpool.Pool(HOSTILE, workers=1) as pool:
+            env = (await pool.call("environment")).value
+    finally:
+        del os.environ["TOOLPOOL_TEST_VISIBLE"]
+    assert env.get("TOOLPOOL_TEST_VISIBLE") == "yes"
+
+
+@pytest.mark.anyio
+async def test_background_processes_survive_their_call_only_when_allowed() -> None:
+    marker = f"toolpool-test-bg-{os.getpid()}"
+    async with toolpool.Pool(HOSTILE, workers=1, allow_background=True) as pool:
+        result = await pool.call("daemon", {"marker": marker})
+        assert result.ok
+        assert result.leftovers_killed == 0
+        assert _marked(marker), "allowed to stay while the pool lives"
+    assert _marked(marker) == [], "but not past the pool"
+
+
+def _marked(marker: str) -> list[int]:
+    return [
+        p.pid for p in psutil.process_iter(["cmdline"]) if marker in (p.info.get("cmdline") or [])
+    ]
+
+
+# ----------------------------------------------------------------------------- units
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512MiB", 512 * 1024**2),
+        ("1GiB", 1024**3),
+        ("2GB", 2 * 1000**3),
+        ("4096", 4096),
+        (4096, 4096),
+        ("1.5 KiB", 1536),
+        ("64k", 64_000),
+    ],
+)
+def test_sizes_in_human_units(text: Any, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "12 parsecs", "-1MiB", "0", 0, -5, True, 1.5, "MiB"])
+def test_bad_sizes_are_rejected(bad: Any) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        parse_size(bad)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("30s", 30.0), ("500ms", 0.5), ("2m", 120.0), ("1h", 3600.0), (1.5, 1.5)]
+)
+def test_durations_in_human_units(text: Any, expected: float) -> None:
+    assert parse_duration(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["soon", "-1s", "0s", 0, float("inf"), True, "1d"])
+def test_bad_durations_are_rejected(bad: Any) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        parse_duration(bad)
+
+
+def test_profiles_validate_their_fields() -> None:
+    assert Profile.untrusted().memory == 512 * 1024**2
+    assert Profile.default().with_limits(memory="256MiB").memory == 256 * 1024**2
+    with pytest.raises(ValueError, match="unknown layer"):
+        Profile(require=frozenset({"magic"}))
+    with pytest.raises(ValueError, match="unknown profile"):
+        Profile.named("paranoid")
+    with pytest.raises(TypeError):
+        Profile(env_allowlist="PATH")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_processes"):
+        Profile(max_processes=0)
+    profile = Profile.untrusted().with_limits(require=frozenset({"netns"}))
+    assert Profile.from_wire(profile.to_wire()) == profile

@@ -1,0 +1,586 @@
+"""The wire codec (docs/protocol.md, CONTRACT C7): round trips, limits, and a decoder fuzz test."""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from toolpool.protocol import (
+    DEFAULT_MAX_FRAME,
+    OUTCOME_NAMES,
+    PROTOCOL_VERSION,
+    Call,
+    Cancel,
+    CancelAck,
+    Fatal,
+    Hello,
+    Ping,
+    Pong,
+    ProtocolViolation,
+    Result,
+    Shutdown,
+    Started,
+    decode_from_supervisor,
+    decode_from_worker,
+    encode,
+    pack_value,
+    unpack_value,
+)
+
+WORKER_TYPES = (Hello, Fatal, Started, CancelAck, Result, Pong)
+SUPERVISOR_TYPES = (Call, Cancel, Ping, Shutdown)
+DECODERS = {"from_worker": decode_from_worker, "from_supervisor": decode_from_supervisor}
+#: Message type -> number of fields after the type string.
+ARITY = {
+    "hello": 5,
+    "fatal": 2,
+    "started": 1,
+    "cancel_ack": 1,
+    "result": 8,
+    "pong": 1,
+    "call": 3,
+    "cancel": 2,
+    "ping": 1,
+    "shutdown": 0,
+}
+SUPERVISOR_KINDS = frozenset({"call", "cancel", "ping", "shutdown"})
+MAX_ID = 2**63 - 1
+SECRET = b"ab" * 32
+CATALOG = [{"name": "nap", "description": "Sleep.", "input_schema": {"type": "object"}}]
+
+
+def frame(*items: Any) -> bytes:
+    return msgpack.packb(list(items), use_bin_type=True)
+
+
+def result_frame(**overrides: Any) -> bytes:
+    fields: dict[str, Any] = {
+        "call_id": 1,
+        "outcome": "ok",
+        "value": pack_value(1),
+        "error": None,
+        "error_name": None,
+        "body_started": True,
+        "context": {},
+        "leftovers": 0,
+    }
+    fields.update(overrides)
+    return frame("result", *fields.values())
+
+
+# --------------------------------------------------------------------------- round trips
+
+WORKER_MESSAGES = [
+    Hello(PROTOCOL_VERSION, 4242, SECRET, CATALOG),
+    Hello(PROTOCOL_VERSION, 1, SECRET, []),
+    Fatal(SECRET, "Traceback (most recent call last):\n  ImportError: no module named x"),
+    Started(0),
+    Started(MAX_ID),
+    CancelAck(17),
+    Result(
+        7,
+        "ok",
+        pack_value({"a": [1, 2.5, "three", b"four", None, True]}),
+        None,
+        None,
+        True,
+        {"policy": "audit", "nested": {"k": [1, 2]}},
+    ),
+    Result(8, "error", None, "Error: RuntimeError: boom", "RuntimeError", True, {}),
+    Result(9, "denied", None, "Error: denied", "Denied", False, {}),
+    Result(10, "aborted_before_dispatch", None, "x", "AbortError", False, {}),
+    Result(11, "aborted", None, "Error: tool call aborted", "AbortError", True, {}),
+    Result(12, "timeout", None, "Error: tool call timed out", "TimeoutError", True, {}),
+    Pong(MAX_ID),
+]
+
+SUPERVISOR_MESSAGES = [
+    Call(1, "nap", pack_value({"seconds": 1.5})),
+    Call(MAX_ID, "x" * 256, pack_value({})),
+    *(Cancel(3, kind) for kind in ("user", "parent", "disposed", "timeout")),
+    Ping(0),
+    Shutdown(),
+]
+
+
+@pytest.mark.parametrize("message", WORKER_MESSAGES, ids=repr)
+def test_worker_messages_round_trip(message: Any) -> None:
+    wire = encode(message)
+    decoded = decode_from_worker(wire)
+    assert type(decoded) is type(message)
+    assert decoded == message
+    assert encode(decoded) == wire
+
+
+@pytest.mark.parametrize("message", SUPERVISOR_MESSAGES, ids=repr)
+def test_supervisor_messages_round_trip(message: Any) -> None:
+    wire = encode(message)
+    decoded = decode_from_supervisor(wire)
+    assert type(decoded) is type(message)
+    assert decoded == message
+    assert encode(decoded) == wire
+
+
+def test_every_message_type_is_covered_by_the_round_trips() -> None:
+    covered = {type(m) for m in WORKER_MESSAGES} | {type(m) for m in SUPERVISOR_MESSAGES}
+    assert covered == set(WORKER_TYPES) | set(SUPERVISOR_TYPES)
+    assert {t.TYPE for t in covered} == set(ARITY)
+
+
+def test_every_reportable_outcome_round_trips() -> None:
+    assert {"ok", "error", "denied", "aborted", "aborted_before_dispatch", "timeout"} == set(
+        OUTCOME_NAMES
+    )
+    for outcome in OUTCOME_NAMES:
+        decoded = decode_from_worker(result_frame(outcome=outcome))
+        assert isinstance(decoded, Result)
+        assert decoded.outcome == outcome
+
+
+def test_frame_layout_is_an_array_with_the_type_first() -> None:
+    assert msgpack.unpackb(encode(Started(5))) == ["started", 5]
+    assert msgpack.unpackb(encode(Cancel(5, "parent"))) == ["cancel", 5, {"kind": "parent"}]
+    assert msgpack.unpackb(encode(Shutdown())) == ["shutdown"]
+    hello = msgpack.unpackb(encode(Hello(PROTOCOL_VERSION, 3, SECRET, [])), raw=False)
+    assert hello == ["hello", PROTOCOL_VERSION, 3, SECRET, [], {}]
+
+
+def test_packed_values_round_trip() -> None:
+    value = {"text": "é", "blob": b"\x00\xff", "list": [1, -2, 3.5], "none": None, "t": True}
+    assert unpack_value(pack_value(value)) == value
+
+
+def test_pack_value_rejects_what_msgpack_cannot_carry() -> None:
+    with pytest.raises(TypeError):
+        pack_value(object())
+    with pytest.raises(TypeError):
+        pack_value(2**64)
+
+
+def test_protocol_version_is_separate_from_the_package_version() -> None:
+    import toolpool
+    import toolpool.protocol
+
+    assert type(PROTOCOL_VERSION) is int
+    assert PROTOCOL_VERSION >= 1
+    assert isinstance(toolpool.__version__, str)
+    assert toolpool.protocol.PROTOCOL_VERSION is PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------- limits
+
+
+@pytest.mark.parametrize("decode", DECODERS.values(), ids=DECODERS.keys())
+def test_oversized_frame_is_rejected_before_parsing(decode: Any) -> None:
+    limit = 4096
+    # A frame of exactly `limit` bytes is accepted; one byte more is not.
+    padding = 0
+    while len(result_frame(value=b"x" * padding)) < limit:
+        padding += 1
+    exact = result_frame(value=b"x" * padding)
+    assert len(exact) == limit
+    assert decode_from_worker(exact, max_len=limit).value == b"x" * padding
+    too_big = result_frame(value=b"x" * (padding + 1))
+    with pytest.raises(ProtocolViolation, match="exceeds the limit"):
+        decode(too_big, max_len=limit)
+    # Rejected by length alone: even bytes that are not msgpack give the same answer.
+    with pytest.raises(ProtocolViolation, match="exceeds the limit"):
+        decode(b"\xc1" * (limit + 1), max_len=limit)
+
+
+def test_default_limit_is_the_default_max_frame() -> None:
+    with pytest.raises(ProtocolViolation, match="exceeds the limit"):
+        decode_from_worker(b"\x00" * (DEFAULT_MAX_FRAME + 1))
+
+
+def test_packed_values_obey_the_limit_too() -> None:
+    with pytest.raises(ProtocolViolation, match="exceeds the limit"):
+        unpack_value(pack_value("x" * 2000), max_len=1024)
+
+
+@pytest.mark.parametrize("decode", DECODERS.values(), ids=DECODERS.keys())
+@pytest.mark.parametrize(
+    "ext",
+    [msgpack.ExtType(1, b"\x00" * 8), msgpack.ExtType(127, b""), msgpack.Timestamp(1, 0)],
+    ids=["ext1", "ext127-empty", "timestamp"],
+)
+def test_ext_types_are_rejected_anywhere(decode: Any, ext: Any) -> None:
+    for wire in (
+        frame("pong", ext),
+        frame("ping", ext),
+        result_frame(context={"when": ext}),
+        frame("call", 1, "nap", [ext]),
+        frame(ext),
+    ):
+        with pytest.raises(ProtocolViolation):
+            decode(wire)
+
+
+def test_ext_types_are_rejected_in_packed_values() -> None:
+    with pytest.raises(ProtocolViolation):
+        unpack_value(msgpack.packb({"t": msgpack.Timestamp(1, 0)}))
+
+
+def _nested(depth: int) -> bytes:
+    """A pong whose nonce is ``depth`` nested arrays; the whole frame is depth + 1 levels."""
+    return b"\x92\xa4pong" + b"\x91" * (depth - 1) + b"\x90"
+
+
+@pytest.mark.parametrize("decode", DECODERS.values(), ids=DECODERS.keys())
+def test_deep_nesting_is_rejected_fast(decode: Any) -> None:
+    for depth in (1024, 5000, 100_000):
+        began = time.perf_counter()
+        with pytest.raises(ProtocolViolation, match="undecodable"):
+            decode(_nested(depth))
+        assert time.perf_counter() - began < 1.0
+    # Just below the parser's stack limit the frame is parsed (and then fails its shape check).
+    with pytest.raises(ProtocolViolation) as info:
+        decode(_nested(1023))
+    assert "undecodable" not in str(info.value)
+
+
+def test_deep_nesting_in_context_is_rejected() -> None:
+    # msgpack itself refuses to pack this deep: build the bytes by hand.
+    body = b"\x91" * 2000 + b"\x90"
+    wire = result_frame(context={"deep": 0})[:-1] + body
+    with pytest.raises(ProtocolViolation):
+        decode_from_worker(wire)
+
+
+@pytest.mark.parametrize("decode", DECODERS.values(), ids=DECODERS.keys())
+def test_array_and_map_length_limits(decode: Any) -> None:
+    n = 2**20 + 1
+    with pytest.raises(ProtocolViolation, match="max_array_len"):
+        decode(b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n)
+    # The header alone is enough: nothing is allocated for the claimed elements.
+    with pytest.raises(ProtocolViolation, match="max_map_len"):
+        decode(b"\xdf" + (2**32 - 1).to_bytes(4, "big"))
+
+
+@pytest.mark.parametrize("decode", DECODERS.values(), ids=DECODERS.keys())
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"",
+        b"\xc1",
+        b"\x92\xa4pong",  # truncated
+        frame("pong", 1) + b"\x00",  # trailing bytes
+        b"\x92\xa4po\xffg\x01",  # invalid UTF-8 in a str
+        frame("pong", {1: 2}),  # non-string map key
+        msgpack.packb({"type": "pong"}),  # not an array
+        msgpack.packb([]),  # empty array
+        frame(1, 2),  # type is not a str
+        frame(b"pong", 1),  # type is bin, not str
+        frame(None),
+    ],
+    ids=[
+        "empty",
+        "reserved-byte",
+        "truncated",
+        "trailing",
+        "bad-utf8",
+        "int-map-key",
+        "map",
+        "empty-array",
+        "int-type",
+        "bin-type",
+        "nil-type",
+    ],
+)
+def test_malformed_frames_are_rejected(decode: Any, wire: bytes) -> None:
+    with pytest.raises(ProtocolViolation):
+        decode(wire)
+
+
+@pytest.mark.parametrize(("kind", "arity"), sorted(ARITY.items()))
+def test_wrong_arity_is_rejected(kind: str, arity: int) -> None:
+    decode = decode_from_supervisor if kind in SUPERVISOR_KINDS else decode_from_worker
+    for n in {0, arity - 1, arity + 1, arity + 5} - {arity, -1}:
+        with pytest.raises(ProtocolViolation):
+            decode(frame(kind, *([1] * n)))
+
+
+@pytest.mark.parametrize("decode", DECODERS.values(), ids=DECODERS.keys())
+def test_unknown_and_wrong_direction_types_are_rejected(decode: Any) -> None:
+    for kind in ("launch", "", "RESULT", "result ", "x" * 10_000):
+        with pytest.raises(ProtocolViolation, match="unknown message type"):
+            decode(frame(kind, 1))
+    with pytest.raises(ProtocolViolation, match="unknown message type"):
+        decode_from_worker(encode(Call(1, "nap", pack_value({}))))
+    with pytest.raises(ProtocolViolation, match="unknown message type"):
+        decode_from_worker(encode(Shutdown()))
+    with pytest.raises(ProtocolViolation, match="unknown message type"):
+        decode_from_supervisor(encode(Started(1)))
+    with pytest.raises(ProtocolViolation, match="unknown message type"):
+        decode_from_supervisor(encode(Hello(PROTOCOL_VERSION, 1, SECRET, [])))
+
+
+BAD_IDS = [-1, MAX_ID + 1, 2**64 - 1, True, False, 1.0, "1", b"1", None, [1], {"id": 1}]
+
+
+@pytest.mark.parametrize("bad", BAD_IDS, ids=repr)
+def test_ids_must_be_non_negative_64_bit_integers(bad: Any) -> None:
+    for wire in (
+        frame("started", bad),
+        frame("cancel_ack", bad),
+        frame("pong", bad),
+        result_frame(call_id=bad),
+        frame("hello", bad, 1, SECRET, [], {}),
+        frame("hello", PROTOCOL_VERSION, bad, SECRET, [], {}),
+    ):
+        with pytest.raises(ProtocolViolation):
+            decode_from_worker(wire)
+    for wire in (
+        frame("call", bad, "nap", b""),
+        frame("ping", bad),
+        frame("cancel", bad, {"kind": "user"}),
+    ):
+        with pytest.raises(ProtocolViolation):
+            decode_from_supervisor(wire)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        result_frame(value="not bin"),
+        result_frame(value=1),
+        result_frame(error=b"bin"),
+        result_frame(error="e" * (64 * 1024 + 1)),
+        result_frame(error_name="n" * 257),
+        result_frame(error_name=1),
+        result_frame(body_started=1),
+        result_frame(body_started=None),
+        result_frame(context=[]),
+        result_frame(context=None),
+        frame("hello", PROTOCOL_VERSION, 1, "secret-as-str", [], {}),
+        frame("hello", PROTOCOL_VERSION, 1, SECRET, {"name": "nap"}, {}),
+        frame("hello", PROTOCOL_VERSION, 1, SECRET, ["nap"], {}),
+        frame("hello", PROTOCOL_VERSION, 1, SECRET, [{"description": "no name"}], {}),
+        frame("hello", PROTOCOL_VERSION, 1, SECRET, [{"name": 5}], {}),
+        frame("hello", PROTOCOL_VERSION, 1, SECRET, [{"name": "n" * 257}], {}),
+        frame("hello", PROTOCOL_VERSION, 1, SECRET, [], []),
+        frame("hello", PROTOCOL_VERSION, 1, SECRET, [], {"rlimits": True}),
+        frame("hello", PROTOCOL_VERSION, 1, SECRET, [], {"rlimits": ["yes", "x"]}),
+        result_frame(leftovers=-1),
+        result_frame(leftovers="1"),
+        result_frame(context={b"k": 1}),
+        frame("fatal", "secret-as-str", "error"),
+        frame("fatal", SECRET, None),
+        frame("fatal", SECRET, "e" * (64 * 1024 + 1)),
+    ],
+)
+def test_wrong_field_types_from_a_worker_are_rejected(wire: bytes) -> None:
+    with pytest.raises(ProtocolViolation):
+        decode_from_worker(wire)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        frame("call", 1, b"nap", b""),
+        frame("call", 1, "n" * 257, b""),
+        frame("call", 1, "nap", {"seconds": 1}),
+        frame("call", 1, "nap", None),
+    ],
+)
+def test_wrong_field_types_from_the_supervisor_are_rejected(wire: bytes) -> None:
+    with pytest.raises(ProtocolViolation):
+        decode_from_supervisor(wire)
+
+
+def test_text_limits_are_inclusive() -> None:
+    decoded = decode_from_worker(result_frame(error="e" * (64 * 1024), error_name="n" * 256))
+    assert isinstance(decoded, Result)
+    assert len(decoded.error or "") == 64 * 1024
+    hello = decode_from_worker(
+        frame("hello", PROTOCOL_VERSION, 1, SECRET, [{"name": "n" * 256}], {})
+    )
+    assert isinstance(hello, Hello)
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    ["killed", "worker_lost", "OK", "Ok", "", "ok ", "cancelled", 1, None, True, b"ok"],
+    ids=repr,
+)
+def test_unknown_outcome_is_rejected(outcome: Any) -> None:
+    with pytest.raises(ProtocolViolation, match="outcome"):
+        decode_from_worker(result_frame(outcome=outcome))
+
+
+@pytest.mark.parametrize("outcome", [[], ["ok"], {}, {"ok": 1}], ids=repr)
+def test_unhashable_outcome_is_a_protocol_violation(outcome: Any) -> None:
+    with pytest.raises(ProtocolViolation, match="outcome"):
+        decode_from_worker(result_frame(outcome=outcome))
+
+
+@pytest.mark.parametrize("kind", ["user", "parent", "disposed", "timeout"])
+def test_valid_cancel_causes_are_accepted(kind: str) -> None:
+    decoded = decode_from_supervisor(frame("cancel", 4, {"kind": kind}))
+    assert decoded == Cancel(4, kind)
+
+
+@pytest.mark.parametrize(
+    "cause",
+    [
+        "user",
+        None,
+        1,
+        ["user"],
+        [{"kind": "user"}],
+        {},
+        {"kind": "other"},
+        {"kind": "USER"},
+        {"kind": "user "},
+        {"kind": None},
+        {"kind": b"user"},
+        {"kind": 1},
+        {"Kind": "user"},
+        {"kind": "user", "reason": "because"},
+        {"reason": "x", "kind": "user"},
+        {b"kind": "user"},
+    ],
+    ids=repr,
+)
+def test_invalid_cancel_causes_are_rejected(cause: Any) -> None:
+    with pytest.raises(ProtocolViolation, match="cause"):
+        decode_from_supervisor(frame("cancel", 4, cause))
+
+
+@pytest.mark.parametrize("kind", [[], ["user"], {}, {"kind": "user"}], ids=repr)
+def test_unhashable_cancel_kind_is_a_protocol_violation(kind: Any) -> None:
+    with pytest.raises(ProtocolViolation, match="cause"):
+        decode_from_supervisor(frame("cancel", 4, {"kind": kind}))
+
+
+def test_worst_case_decode_memory_at_default_limits_is_bounded() -> None:
+    n = 256 * 1024
+    wire = b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolViolation):
+            decode_from_worker(wire)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    per_byte = peak / len(wire)
+    assert per_byte > 1  # the measurement saw the decoder's allocations
+    # Memory is linear in the frame size: extrapolate to the largest frame allowed by default.
+    assert per_byte * DEFAULT_MAX_FRAME < 1024**3
+
+
+# --------------------------------------------------------------------------- fuzzing
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=20)
+    | st.binary(max_size=20)
+)
+values = st.recursive(
+    scalars,
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.dictionaries(st.text(max_size=8) | st.binary(max_size=8), children, max_size=5)
+    ),
+    max_leaves=20,
+)
+type_names = st.sampled_from(sorted(ARITY)) | st.text(max_size=12)
+
+# The decoders under test must never take long, whatever they are given.
+FAST = 1.0
+FUZZ = settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def check_decode(decode: Any, wire: bytes) -> None:
+    """``decode(wire)`` returns a message of its direction, or raises ProtocolViolation."""
+    allowed = WORKER_TYPES if decode is decode_from_worker else SUPERVISOR_TYPES
+    began = time.perf_counter()
+    try:
+        message = decode(wire, max_len=64 * 1024)
+    except ProtocolViolation:
+        pass
+    else:
+        assert type(message) in allowed
+        # What was accepted re-encodes to a frame that decodes to the same message.
+        again = encode(message)
+        assert encode(decode(again)) == again
+    assert time.perf_counter() - began < FAST
+
+
+@pytest.mark.parametrize("decode", DECODERS.values(), ids=DECODERS.keys())
+@FUZZ
+@given(wire=st.binary(max_size=2048))
+def test_fuzz_arbitrary_bytes(decode: Any, wire: bytes) -> None:
+    check_decode(decode, wire)
+
+
+@pytest.mark.parametrize("decode", DECODERS.values(), ids=DECODERS.keys())
+@FUZZ
+@given(data=values)
+def test_fuzz_arbitrary_msgpack_structures(decode: Any, data: Any) -> None:
+    check_decode(decode, msgpack.packb(data, use_bin_type=True))
+
+
+@pytest.mark.parametrize("decode", DECODERS.values(), ids=DECODERS.keys())
+@FUZZ
+@given(kind=type_names, data=st.data())
+def test_fuzz_message_shaped_frames_with_scalar_fields(decode: Any, kind: str, data: Any) -> None:
+    n = ARITY.get(kind, 1) + data.draw(st.sampled_from([0, 0, 0, -1, 1]))
+    fields = data.draw(st.lists(scalars, min_size=max(n, 0), max_size=max(n, 0)))
+    check_decode(decode, frame(kind, *fields))
+
+
+@pytest.mark.parametrize("decode", DECODERS.values(), ids=DECODERS.keys())
+@FUZZ
+@given(message=st.sampled_from(WORKER_MESSAGES + SUPERVISOR_MESSAGES), data=st.data())
+def test_fuzz_mutated_valid_frames(decode: Any, message: Any, data: Any) -> None:
+    """Flip, drop or insert bytes in valid frames."""
+    wire = bytearray(encode(message))
+    for _ in range(data.draw(st.integers(1, 4))):
+        action = data.draw(st.sampled_from(["flip", "drop", "insert"]))
+        at = data.draw(st.integers(0, max(len(wire) - 1, 0)))
+        if action == "flip" and wire:
+            wire[at] ^= data.draw(st.integers(1, 255))
+        elif action == "drop" and wire:
+            del wire[at]
+        else:
+            wire.insert(at, data.draw(st.integers(0, 255)))
+    check_decode(decode, bytes(wire))
+
+
+# Deterministic, so the strict xfails below cannot flip; no shrinking (the bug is known).
+ANY_FIELDS = settings(
+    max_examples=400,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+)
+
+
+@ANY_FIELDS
+@given(kind=st.sampled_from(sorted(ARITY)), data=st.data())
+def test_fuzz_worker_shaped_frames_with_any_fields(kind: str, data: Any) -> None:
+    fields = data.draw(st.lists(values, min_size=ARITY[kind], max_size=ARITY[kind]))
+    check_decode(decode_from_worker, frame(kind, *fields))
+
+
+@ANY_FIELDS
+@given(kind=st.sampled_from(sorted(ARITY)), data=st.data())
+def test_fuzz_supervisor_shaped_frames_with_any_fields(kind: str, data: Any) -> None:
+    field = values | st.fixed_dictionaries({"kind": values})  # cause-like maps too
+    fields = data.draw(st.lists(field, min_size=ARITY[kind], max_size=ARITY[kind]))
+    check_decode(decode_from_supervisor, frame(kind, *fields))
