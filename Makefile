@@ -18,8 +18,8 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests bench
-	$(PY) -m ruff format --check src tests bench
+	$(PY) -m ruff check src tests $(wildcard bench)
+	$(PY) -m ruff format --check src tests $(wildcard bench)
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
@@ -30,9 +30,11 @@ demo: $(STAMP)
 	$(PY) -m toolpool demo
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/run.py
 
 bench-smoke: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/run.py --smoke
 
 clean:

@@ -13,6 +13,21 @@ import anyio
 from .core import ToolpoolError
 
 
+def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
+    cmd.add_argument(
+        "--profile", default=default, choices=["default", "untrusted"], help="base profile"
+    )
+    cmd.add_argument("--memory", help="memory cap per worker tree, e.g. 512MiB")
+    cmd.add_argument("--max-processes", type=int, help="processes+threads per worker tree")
+    cmd.add_argument("--cpu-time", help="CPU time per process, e.g. 30s")
+    cmd.add_argument("--max-open-files", type=int, help="open files per process")
+    cmd.add_argument("--max-file-size", help="largest file a tool may write, e.g. 64MiB")
+    cmd.add_argument("--no-network", action="store_true", help="an empty network namespace")
+    cmd.add_argument(
+        "--no-cgroups", action="store_true", help="force the fallbacks: leave cgroups off"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="toolpool",
@@ -29,13 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         ("doctor", "show which containment layers protect workers on this machine"),
         ("selftest", "run the hostile-tool kit against this machine and profile"),
     ):
-        cmd = sub.add_parser(name, help=text)
-        cmd.add_argument(
-            "--profile", default="untrusted", choices=["default", "untrusted"], help="profile"
-        )
-        cmd.add_argument(
-            "--no-cgroups", action="store_true", help="force the fallbacks: leave cgroups off"
-        )
+        _add_profile_options(sub.add_parser(name, help=text), "untrusted")
 
     call = sub.add_parser("call", help="run one call in a fresh pool and print its result")
     call.add_argument("spec", help="module:attribute naming a toolpool.Registry")
@@ -44,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     call.add_argument("--timeout", type=float, default=None, help="seconds before cancelling")
     call.add_argument("--cancel-grace", type=float, default=5.0)
     call.add_argument("--term-grace", type=float, default=2.0)
+    _add_profile_options(call, "default")
     return parser
 
 
@@ -74,7 +84,11 @@ async def _call(ns: argparse.Namespace) -> int:
     if not isinstance(args, dict):
         raise ValueError("args must be a JSON object")
     async with Pool(
-        ns.spec, workers=1, cancel_grace=ns.cancel_grace, term_grace=ns.term_grace
+        ns.spec,
+        workers=1,
+        cancel_grace=ns.cancel_grace,
+        term_grace=ns.term_grace,
+        profile=_profile(ns),
     ) as pool:
         result = await pool.call(ns.tool, args, timeout=ns.timeout)
     print(json.dumps(_result_json(result), indent=2, default=repr))
@@ -85,9 +99,16 @@ def _profile(ns: argparse.Namespace) -> Any:
     from .sandbox import Profile
 
     profile = Profile.named(ns.profile)
+    changes: dict[str, Any] = {
+        name: getattr(ns, name)
+        for name in ("memory", "max_processes", "cpu_time", "max_open_files", "max_file_size")
+        if getattr(ns, name) is not None
+    }
+    if ns.no_network:
+        changes["network"] = False
     if ns.no_cgroups:
-        profile = profile.with_limits(disable=frozenset({"cgroups"}))
-    return profile
+        changes["disable"] = frozenset({"cgroups"})
+    return profile.with_limits(**changes) if changes else profile
 
 
 async def _doctor(ns: argparse.Namespace) -> int:

@@ -227,7 +227,7 @@ class Profile:
         """Human-readable limits, for reports."""
 
         def size(n: int | None) -> str:
-            return "-" if n is None else f"{n / 1024**2:g} MiB"
+            return "-" if n is None else _human(n)
 
         return {
             "memory": size(self.memory),
@@ -246,3 +246,10 @@ class Profile:
 def allowlisted_env(environ: Mapping[str, str], allow: Iterable[str]) -> dict[str, str]:
     """Only the allowed variables of ``environ``."""
     return {k: environ[k] for k in allow if k in environ}
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"

@@ -72,6 +72,7 @@ from ..protocol import (
 )
 from ..sandbox import LAYERS, Profile
 from ..sandbox._cgroups import CgroupSet
+from ..sandbox._profile import _human as _human_size
 from ._reaper import ReaperClient
 from ._results import (
     ContainmentReport,
@@ -613,7 +614,8 @@ class Pool:
             if wanted is None:
                 layers[name] = (False, "no limit requested by the profile")
             elif hierarchy in cg.base:
-                layers[name] = (True, f"limit {wanted} per worker tree ({cg.base[hierarchy]})")
+                shown = _human_size(wanted) if name == "cgroup_memory" else str(wanted)
+                layers[name] = (True, f"limit {shown} per worker tree ({cg.base[hierarchy]})")
             else:
                 layers[name] = (False, cg.reasons.get(hierarchy, "unavailable"))
         layers["scratch_dir"] = (
