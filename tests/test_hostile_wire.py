@@ -404,6 +404,66 @@ def test_supervisor_sigkill_leaves_no_process_behind(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("no_cgroups", [False, True], ids=["untrusted", "untrusted-no-cgroups"])
+def test_supervisor_sigkill_while_hostile_tools_run(
+    supervisor: Callable[[str], Supervisor], make_marker: Callable[[], str], no_cgroups: bool
+) -> None:
+    """Issue 4: a fork bomb and a cgroup escaper running; the supervisor is SIGKILLed;
+    nothing of the pool is left within a few seconds, nor its cgroup and scratch dirs."""
+    marker = make_marker()
+    profile = "Profile.untrusted()"
+    if no_cgroups:
+        profile += ".with_limits(disable=frozenset({'cgroups'}))"
+    sup = supervisor(
+        f"""
+        from toolpool.sandbox import Profile
+
+        async def main():
+            pool = toolpool.Pool(
+                "toolpool.testing.hostile:registry", workers=2, profile={profile}
+            )
+            async with pool:
+                bomb = pool.submit("fork_bomb", {{"marker": {marker!r}, "cap": 100}})
+                escaper = pool.submit("leave_cgroup", {{"marker": {marker!r}}})
+                await bomb.wait_started()
+                await escaper.wait_started()
+                cgroups = sorted(set(pool._cgroups.base.values())) if pool._cgroups else []
+                emit(
+                    workers=pool.worker_pids(),
+                    reaper=pool.reaper_pid,
+                    pool_dir=pool._dir,
+                    cgroups=cgroups,
+                )
+                await anyio.sleep_forever()
+        """
+    )
+    info = sup.read(timeout=30)
+    workers = sup.track(*info["workers"])
+    (reaper,) = sup.track(info["reaper"])
+    # Both tools are running and have spawned (the escaper's daemon, the bomb's children).
+    wait_until(lambda: len(marked(marker)) >= 2, 20, "the hostile tools' processes to appear")
+    spawned = marked(marker)
+    sup.known.extend(spawned)
+    everything = [*workers, reaper, *spawned]
+
+    sup.proc.send_signal(signal.SIGKILL)
+    sup.proc.wait(timeout=10)
+
+    wait_until(
+        lambda: all(gone(p) for p in everything) and marked(marker) == [],
+        5,
+        "every process of the pool gone after the supervisor died: "
+        + ", ".join(f"{p.pid}" for p in everything if not gone(p)),
+    )
+    # The reaper cleaned up what the dead supervisor could not: cgroups and the private dir.
+    wait_until(
+        lambda: not any(Path(d).exists() for d in [*info["cgroups"], info["pool_dir"]]),
+        5,
+        "the pool's cgroup and private directories removed",
+    )
+
+
+@pytest.mark.timeout(60)
 def test_unhashable_outcome_kills_the_worker_not_the_supervisor(
     supervisor: Callable[[str], Supervisor], make_marker: Callable[[], str]
 ) -> None:

@@ -602,6 +602,8 @@ class Pool:
                 pids=profile.max_processes is not None,
             )
         self._cgroups = cg
+        assert self._dir is not None
+        reaper.own([self._dir, *sorted(set(cg.base.values()))])
         layers["cgroup_kill"] = (
             (True, f"cgroup v2 per worker, cgroup.kill + populated 0 ({cg.base['v2']})")
             if "v2" in cg.base

@@ -141,6 +141,11 @@ class ReaperClient:
         """Send ``sig`` to the worker and every descendant."""
         self.send(op="signal", wid=wid, sig=int(sig))
 
+    def own(self, paths: list[str]) -> None:
+        """Hand the pool's directories to the reaper: it removes them when it exits, so they
+        do not outlive a supervisor that was killed."""
+        self.send(op="own", paths=paths)
+
     def clean(self, wid: int) -> None:
         """Kill the worker's descendants (not the worker); answered by ``cleaned``."""
         self.send(op="clean", wid=wid)

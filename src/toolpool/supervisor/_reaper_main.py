@@ -69,6 +69,7 @@ class Reaper:
         self.cleanup: dict[int, list[str]] = {}  # wid -> directories to remove when gone
         self.pending_gone: list[int] = []  # wids reaped whose orphans may still live
         self.stuck: set[int] = set()  # wids whose cgroup would not empty yet
+        self.owned: list[str] = []  # the pool's directories, removed when the reaper exits
         self.closing = False
 
     # ---- messages
@@ -89,6 +90,8 @@ class Reaper:
             self.kill_worker(int(msg["wid"]))
         elif op == "clean":
             self.clean(int(msg["wid"]))
+        elif op == "own":
+            self.owned.extend(str(p) for p in msg.get("paths", []))
         elif op == "exit":
             self.closing = True
 
@@ -301,6 +304,12 @@ class Reaper:
                 self.pending_gone.append(wid)
             deadline_rounds += 1
         self.kill_orphans()
+        # If the supervisor died, nobody else will remove the pool's directories.
+        for path in reversed(self.owned):
+            if os.path.exists(os.path.join(path, "cgroup.procs")):
+                cgroups.remove(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
         self.send(ev="bye")
 
     subreaper = False
