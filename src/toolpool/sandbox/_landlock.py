@@ -10,12 +10,13 @@ import os
 import platform
 from typing import Any
 
+from ._linux import PR_SET_NO_NEW_PRIVS, prctl
+
 __all__ = ("abi_version", "restrict")
 
 _SYSCALLS = {"x86_64": (444, 445, 446), "aarch64": (444, 445, 446)}
 _CREATE_RULESET_VERSION = 1
 _RULE_PATH_BENEATH = 1
-PR_SET_NO_NEW_PRIVS = 38
 
 # Filesystem rights that change something (ABI 1..3).
 _FS_WRITE_RIGHTS = {
@@ -108,7 +109,7 @@ def restrict(writable: list[str], writable_files: tuple[str, ...] = ("/dev/null"
                     raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
             finally:
                 os.close(fd)
-        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
+        if not prctl(PR_SET_NO_NEW_PRIVS, 1):
             raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
         if libc.syscall(restrict_self, ruleset, 0):
             raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")

@@ -18,7 +18,6 @@ Messages are JSON objects, one per SOCK_SEQPACKET datagram. See docs/pool.md and
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
 import os
@@ -34,10 +33,10 @@ from typing import Any
 import psutil
 
 
-def _load_cgroups() -> Any:
-    """Load toolpool/sandbox/_cgroups.py by path (importing toolpool itself would be heavy)."""
-    path = Path(__file__).resolve().parent.parent / "sandbox" / "_cgroups.py"
-    spec = importlib.util.spec_from_file_location("_toolpool_cgroups", path)
+def _load(name: str) -> Any:
+    """Load toolpool/sandbox/<name>.py by path (importing toolpool itself would be heavy)."""
+    path = Path(__file__).resolve().parent.parent / "sandbox" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_toolpool{name}", path)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -46,18 +45,8 @@ def _load_cgroups() -> Any:
     return module
 
 
-cgroups = _load_cgroups()
-
-PR_SET_CHILD_SUBREAPER = 36
-PR_SET_PDEATHSIG = 1
-
-
-def _prctl(option: int, arg: int) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(option, arg, 0, 0, 0) == 0)
-    except (OSError, AttributeError):
-        return False
+cgroups = _load("_cgroups")
+linux = _load("_linux")
 
 
 class Reaper:
@@ -381,7 +370,7 @@ def main() -> None:
     reaper = Reaper(supervisor_pid, sock)
     if os.getppid() != supervisor_pid:
         sys.exit(1)
-    Reaper.subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    Reaper.subreaper = linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
     try:
         reaper.run()
     except BaseException:

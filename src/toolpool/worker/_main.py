@@ -11,7 +11,6 @@ The worker never kills or abandons anything: a cancel message only cancels the c
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import json
 import os
@@ -25,19 +24,9 @@ if TYPE_CHECKING:
 
     from ._registry import Registry
 
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 EXIT_SETUP_FAILED = 70
 EXIT_TOOLS_FAILED = 71
 EXIT_PROTOCOL = 72
-
-
-def _prctl(option: int, arg: int) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(option, arg, 0, 0, 0) == 0)
-    except (OSError, AttributeError):
-        return False
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -63,6 +52,7 @@ def setup(
     """
     from ..sandbox import Profile
     from ..sandbox._apply import apply_profile
+    from ..sandbox._linux import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 
     error: str | None = None
     report: dict[str, list[Any]] = {}
@@ -73,10 +63,10 @@ def setup(
     except (RuntimeError, ValueError, TypeError) as exc:
         error = f"containment set-up failed: {exc}"
     if sys.platform.startswith("linux"):
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent_pid:  # the parent died before PDEATHSIG was armed
             os._exit(EXIT_SETUP_FAILED)
-        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        prctl(PR_SET_CHILD_SUBREAPER, 1)
     secret = sys.stdin.buffer.readline().strip()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

@@ -1,0 +1,20 @@
+"""prctl(2) through ctypes, stdlib only (the reaper loads this file by path)."""
+
+from __future__ import annotations
+
+import ctypes
+
+__all__ = ("PR_SET_CHILD_SUBREAPER", "PR_SET_NO_NEW_PRIVS", "PR_SET_PDEATHSIG", "prctl")
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
+
+
+def prctl(option: int, arg: int) -> bool:
+    """Call prctl(option, arg, 0, 0, 0); True on success, False where it fails or is missing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(option, arg, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
