@@ -6,11 +6,14 @@ drain before waiting on the fd again, or a message can sit unnoticed.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import zmq
 
-__all__ = ("fd_of", "readable")
+__all__ = ("fd_of", "on_readable", "readable")
 
 
 def fd_of(sock: zmq.Socket[Any]) -> int:
@@ -21,3 +24,21 @@ def fd_of(sock: zmq.Socket[Any]) -> int:
 def readable(sock: zmq.Socket[Any]) -> bool:
     """True if a message can be received without blocking."""
     return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
+@contextlib.contextmanager
+def on_readable(fd: int, callback: Callable[[], object]) -> Iterator[bool]:
+    """On asyncio, run ``callback`` from the event loop whenever ``fd`` is readable: one
+    persistent reader instead of registering the fd again for every wait. Yields True if it
+    was installed; on other event loops yields False (then wait with ``anyio.wait_readable``).
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not on asyncio (trio)
+        yield False
+        return
+    loop.add_reader(fd, callback)
+    try:
+        yield True
+    finally:
+        loop.remove_reader(fd)

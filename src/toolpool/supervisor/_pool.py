@@ -33,7 +33,7 @@ import anyio
 import anyio.abc
 import zmq
 
-from .._transport import fd_of, readable
+from .._transport import fd_of, on_readable, readable
 from ..core import (
     ABORT_ERROR_NAME,
     ABORTED_BEFORE_DISPATCH_TEXT,
@@ -1100,7 +1100,15 @@ class Pool:
         """Read w's messages until it is gone; then close its socket."""
         fd = fd_of(w.sock)
         try:
-            with _scope(w):
+            with _scope(w), on_readable(fd, functools.partial(self._drain, w)) as installed:
+                if installed:  # asyncio: messages are handled right in the reader callback
+                    self._drain(w)
+                    with anyio.move_on_after(self.start_timeout):
+                        await w.hello_event.wait()
+                    if _spawning(w):
+                        self._start_failure(w, "the worker did not say hello in time")
+                    await w.gone_event.wait()
+                    return
                 with anyio.move_on_after(self.start_timeout):
                     while _spawning(w):
                         self._drain(w)

@@ -144,11 +144,15 @@ class _Server:
     async def serve(self) -> None:
         import anyio
 
-        from .._transport import fd_of
+        from .._transport import fd_of, on_readable
 
         fd = fd_of(self.sock)
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            with on_readable(fd, self._drain) as installed:
+                if installed:  # asyncio: messages are handled right in the reader callback
+                    self._drain()
+                    await anyio.sleep_forever()  # until shutdown cancels the task group
             while not (self.shutdown and self.current is None):
                 self._drain()
                 if self.shutdown and self.current is None:
@@ -198,6 +202,8 @@ class _Server:
             self._send(encode(Pong(msg.nonce)))
         elif isinstance(msg, Shutdown):
             self.shutdown = True
+            if self.current is None:
+                self._tg.cancel_scope.cancel()
 
     async def _run(self, msg: Any, controller: Any) -> None:
         from ..protocol import Result, Started, encode, unpack_value
@@ -212,7 +218,7 @@ class _Server:
         def started() -> None:
             self._send(encode(Started(call_id)))
 
-        result = await self.registry.execute(
+        result = await self.registry.execute_owned(
             msg.tool, args, signal=controller.signal, call_id=str(call_id), on_dispatch=started
         )
         packed = result._packed_value
@@ -231,7 +237,7 @@ class _Server:
                     result.error_name,
                     result.body_started,
                     dict(result.context),
-                    len(_children()),
+                    len(_children()) if _has_children() else 0,
                 )
             )
         )
@@ -255,10 +261,21 @@ def _children() -> list[int]:
     return pids
 
 
+def _has_children() -> bool:
+    """Whether this process has any child, alive or zombie: one syscall."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
+
+
 def _reap_zombies() -> None:
     """Reap children that already exited (leftovers the supervisor killed between calls)."""
-    for pid in _children():
+    while True:
         try:
-            os.waitpid(pid, os.WNOHANG)
+            pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            pass
+            return
+        if pid == 0:
+            return

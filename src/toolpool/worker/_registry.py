@@ -440,17 +440,10 @@ class Registry:
         done = anyio.Event()
 
         async def run_shielded() -> None:
-            with anyio.CancelScope(shield=True):
-                try:
-                    async with anyio.create_task_group() as inner:
-                        if deadline is not None:
-                            inner.start_soon(_deadline_timer, deadline, timeout)
-                        box.append(
-                            await self._pipeline(name, args, cid, fusion.signal, on_dispatch)
-                        )
-                        inner.cancel_scope.cancel()
-                finally:
-                    done.set()
+            try:
+                box.append(await self._run(name, args, cid, fusion, deadline, timeout, on_dispatch))
+            finally:
+                done.set()
 
         self._in_flight += 1
         try:
@@ -470,6 +463,53 @@ class Registry:
                 self._idle.set()
                 self._idle = None
         return box[0]
+
+    async def execute_owned(
+        self,
+        name: str,
+        args: Mapping[str, Any],
+        *,
+        signal: CancelSignal,
+        call_id: str,
+        on_dispatch: Callable[[], object] | None = None,
+    ) -> ToolResult:
+        """:meth:`execute` for a caller that never cancels the awaiting task (the worker
+        process, which learns of cancellation only by message): the same pipeline, order and
+        classification, without the machinery that turns a cancelled awaiting task into
+        cause ``parent``. Not for general use."""
+        fusion = Fusion((signal,))
+        self._in_flight += 1
+        try:
+            return await self._run(name, args, call_id, fusion, None, None, on_dispatch)
+        finally:
+            fusion.close(expire=True)
+            self._in_flight -= 1
+            if self._in_flight == 0 and self._idle is not None:
+                self._idle.set()
+                self._idle = None
+
+    async def _run(
+        self,
+        name: str,
+        args: Mapping[str, Any],
+        call_id: str,
+        fusion: Fusion,
+        deadline: CancelController | None,
+        timeout: float | None,
+        on_dispatch: Callable[[], object] | None,
+    ) -> ToolResult:
+        """The pipeline, shielded from task cancellation, with the timeout policy's timer."""
+        result: ToolResult | None = None
+        with anyio.CancelScope(shield=True):
+            if deadline is None:
+                result = await self._pipeline(name, args, call_id, fusion.signal, on_dispatch)
+            else:
+                async with anyio.create_task_group() as inner:
+                    inner.start_soon(_deadline_timer, deadline, timeout)
+                    result = await self._pipeline(name, args, call_id, fusion.signal, on_dispatch)
+                    inner.cancel_scope.cancel()
+        assert result is not None  # the shield is never cancelled from outside
+        return result
 
     async def _pipeline(
         self,
