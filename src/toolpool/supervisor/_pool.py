@@ -97,6 +97,8 @@ KILLED_TEXT: Final = "Error: tool call killed"
 TIMEOUT_TEXT: Final = "Error: tool call timed out"
 
 WorkerOutput = Literal["discard", "inherit"]
+#: The worker's exit status after it sent 'fatal' (see worker/_main.py).
+EXIT_TOOLS_FAILED: Final = 71
 
 
 class _CallState(enum.Enum):
@@ -300,6 +302,7 @@ async def _await_call(call: Call) -> Result:
 
 class _Worker:
     __slots__ = (
+        "awaiting_fatal",
         "call",
         "catalog",
         "disconnected",
@@ -342,6 +345,7 @@ class _Worker:
         self.scopes: list[anyio.CancelScope] = []
         self.disconnected = False
         self.escalated = False
+        self.awaiting_fatal = False
         self.pending: Callable[..., None] | None = None
 
     def __repr__(self) -> str:
@@ -740,7 +744,7 @@ class Pool:
         states = collections.Counter(w.state.value for w in self._workers.values())
         return Statistics(
             workers=MappingProxyType(dict(states)),
-            queued=len(self._queue),
+            queued=sum(1 for c in self._calls.values() if c._state is _CallState.QUEUED),
             in_flight=sum(1 for c in self._calls.values() if c._state is not _CallState.QUEUED),
             settled=MappingProxyType(dict(self._settled_counts)),
             escalations=MappingProxyType(dict(self._escalations)),
@@ -804,6 +808,8 @@ class Pool:
     # ------------------------------------------------------------------ dispatch
 
     def _dispatch(self) -> None:
+        if self._state in ("closing", "closed"):
+            return  # what is still queued settles as aborted_before_dispatch (disposed)
         while self._queue and self._ready:
             call = self._queue.popleft()
             if call._state is not _CallState.QUEUED:
@@ -1156,6 +1162,8 @@ class Pool:
                             self._quarantine(w, None)
                     await anyio.wait_readable(fd)
         finally:
+            # Disable the monitor before its reader closes (see _close_worker); if the worker's
+            # socket is already closed, _close_worker disabled it first.
             try:
                 if not w.sock.closed:
                     w.sock.disable_monitor()
@@ -1165,6 +1173,12 @@ class Pool:
 
     def _close_worker(self, w: _Worker) -> None:
         if not w.sock.closed:
+            # Stop the monitor before anything closes: libzmq's I/O thread blocks for good
+            # on a monitor event whose reader is gone, freezing every socket of the context.
+            try:
+                w.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
             try:
                 anyio.notify_closing(fd_of(w.sock))
             except Exception:
@@ -1261,6 +1275,8 @@ class Pool:
                 self._dispatch()
             self._notify_workers_changed()
         elif isinstance(msg, Fatal):
+            if w.start_failed and hmac.compare_digest(msg.secret, w.secret):
+                return  # its start already counted as failed; the details came late
             if w.state is not WorkerState.SPAWNING or not hmac.compare_digest(msg.secret, w.secret):
                 raise ProtocolViolation("an unexpected 'fatal' message")
             w.fatal = msg.error
@@ -1269,6 +1285,15 @@ class Pool:
             pass
         else:  # pragma: no cover - decode_from_worker returns only the types above
             raise ProtocolViolation(f"unexpected message {type(msg).__name__}")
+
+    async def _await_fatal(self, w: _Worker) -> None:
+        with anyio.move_on_after(2.0):
+            await w.hello_event.wait()
+        if not w.start_failed:
+            self._start_failure(w, f"the worker exited with status {w.exit_status} at start")
+        w.awaiting_fatal = False
+        if w.gone:  # _worker_gone left the replacement decision to us
+            self._maybe_replace(w)
 
     def _start_failure(self, w: _Worker, reason: str) -> None:
         w.start_failed = True
@@ -1318,7 +1343,17 @@ class Pool:
         elif kind == "exited":
             w.exit_status = int(event["status"])
             if w.state is WorkerState.SPAWNING and not w.start_failed:
-                self._start_failure(w, f"the worker exited with status {w.exit_status} at start")
+                self._drain(w)  # its 'fatal' may already be here
+            if w.state is WorkerState.SPAWNING and not w.start_failed:
+                if w.exit_status == EXIT_TOOLS_FAILED and self._tg is not None:
+                    # It sent 'fatal' (with the traceback) before exiting: the message can
+                    # trail the exit report by a moment. Wait for it, briefly.
+                    w.awaiting_fatal = True
+                    self._tg.start_soon(self._await_fatal, w)
+                else:
+                    self._start_failure(
+                        w, f"the worker exited with status {w.exit_status} at start"
+                    )
         elif kind == "gone":
             self._worker_gone(w)
         elif kind == "cleaned":
@@ -1384,8 +1419,12 @@ class Pool:
             scope.cancel()
         del self._workers[w.wid]
         self._notify_workers_changed()
+        if not w.awaiting_fatal:  # else: decided once the start failure is known
+            self._maybe_replace(w, counts=was_serving and not w.start_failed)
+
+    def _maybe_replace(self, w: _Worker, *, counts: bool = False) -> None:
         if self._state in ("running", "starting") and self._broken is None:
-            if was_serving and not w.start_failed:
+            if counts:
                 self._replaced += 1
             self._tg_start_replacement(delayed=w.start_failed)
 

@@ -36,6 +36,7 @@ class ReaperClient:
         self.pid: int | None = None
         self.subreaper = False
         self._bye = False
+        self._pump_done: anyio.Event | None = None
 
     async def start(self, timeout: float) -> None:
         """Start the reaper process and wait for it to say it is ready."""
@@ -66,7 +67,8 @@ class ReaperClient:
         raise WorkerStartError("the pool's reaper process did not start")
 
     def _recv_one(self) -> Event | None:
-        assert self._sock is not None
+        if self._sock is None:  # closed by aclose() while the pump was being woken
+            return None
         try:
             data = self._sock.recv(1 << 16)
         except BlockingIOError:
@@ -82,22 +84,26 @@ class ReaperClient:
         """Deliver events until the reaper says goodbye or goes away."""
         sock = self._sock
         assert sock is not None
-        while not self._bye:
-            try:
-                await anyio.wait_readable(sock)
-            except (anyio.ClosedResourceError, OSError):
-                return
-            while True:
-                event = self._recv_one()
-                if event is None:
-                    self._bye = True
-                    self._on_event({"ev": "lost"})
+        self._pump_done = anyio.Event()
+        try:
+            while not self._bye:
+                try:
+                    await anyio.wait_readable(sock)
+                except (anyio.ClosedResourceError, OSError):
                     return
-                if not event:
-                    break
-                if event.get("ev") == "bye":
-                    self._bye = True
-                self._on_event(event)
+                while True:
+                    event = self._recv_one()
+                    if event is None:
+                        self._bye = True
+                        self._on_event({"ev": "lost"})
+                        return
+                    if not event:
+                        break
+                    if event.get("ev") == "bye":
+                        self._bye = True
+                    self._on_event(event)
+        finally:
+            self._pump_done.set()
 
     def send(self, **command: Any) -> None:
         """Send a command; a reaper that is gone is reported through the event stream."""
@@ -167,6 +173,11 @@ class ReaperClient:
                     await anyio.to_thread.run_sync(proc.wait)
             finally:
                 self._proc = None
+        if self._pump_done is not None:
+            # The reaper has exited: let the pump read its last events and the end of file
+            # before the socket goes away under it.
+            with anyio.move_on_after(5):
+                await self._pump_done.wait()
         if self._sock is not None:
             anyio.notify_closing(self._sock)
             self._sock.close()

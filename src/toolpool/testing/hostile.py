@@ -287,6 +287,11 @@ def _outcome(*allowed: Outcome, by: str) -> Check:
 
 
 def _fork_bomb(result: Any, layers: set[str]) -> tuple[bool, str, str]:
+    if "cgroup_memory" in layers:
+        # Each child is a Python interpreter: the tree can hit the memory cap before the
+        # pids cap stops the forking, and the OOM killer takes the worker (worker_lost).
+        ok = result.outcome in (Outcome.KILLED, Outcome.WORKER_LOST)
+        return ok, "killed, or worker_lost (OOM)", "cgroup_pids/cgroup_memory + kill barrier"
     by = "cgroup_pids + kill barrier" if "cgroup_pids" in layers else "kill loop (bounded bomb)"
     return result.outcome is Outcome.KILLED, "killed", by
 

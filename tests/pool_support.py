@@ -1,0 +1,236 @@
+"""Helpers for the pool tests: tools that announce their body started, and psutil checks.
+
+``pool_support:registry`` is imported by the worker processes too (workers see the test
+process's ``sys.path``), so this module imports nothing heavier than toolpool and psutil.
+
+The registry holds every example tool of :mod:`toolpool.testing.examples`, unchanged, plus
+``ready_*`` variants: they connect to a unix socket named by their ``ready`` argument and send
+``"<worker pid> [<daemon pid>]"`` as the first thing the body does, then behave exactly like the
+example they wrap. A test awaits that connection (an event, not a sleep) to know that the
+body is running before it cancels the call.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import anyio.abc
+import psutil
+
+from toolpool import Registry, ToolExecution
+from toolpool.testing import examples
+
+__all__ = (
+    "EXAMPLES",
+    "TOOLS",
+    "Readiness",
+    "alive",
+    "find_by_marker",
+    "new_marker",
+    "pool_processes",
+    "process_tree",
+    "registry",
+    "workers_of_reaper",
+)
+
+EXAMPLES = "toolpool.testing.examples:registry"
+TOOLS = "pool_support:registry"
+
+registry = Registry()
+for _fn in (
+    examples.echo,
+    examples.noop,
+    examples.nap,
+    examples.sync_nap,
+    examples.busy_loop,
+    examples.ignore_sigterm,
+    examples.spawn_daemon,
+    examples.spawn_daemon_and_block,
+    examples.crash,
+    examples.fail,
+    examples.pid,
+):
+    registry.add_tool(_fn)
+
+#: Not a Registry: a tools spec naming it must fail at pool start.
+not_a_registry = 42
+
+
+def broken_registry() -> Registry:
+    """A registry factory that raises: the worker cannot load its tools."""
+    raise RuntimeError("pool_support: this registry factory is broken on purpose")
+
+
+# --------------------------------------------------------------------------- ready_* tools
+
+
+def _announce(ready: str, *pids: int) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(ready)
+        sock.sendall(" ".join(str(p) for p in (os.getpid(), *pids)).encode())
+
+
+@registry.tool
+async def ready_nap(ready: str, seconds: float, execution: ToolExecution) -> str:
+    """Announce, then ``examples.nap`` (cooperative, async)."""
+    _announce(ready)
+    return await examples.nap(seconds, execution)
+
+
+@registry.tool
+def ready_sync_nap(ready: str, seconds: float, execution: ToolExecution) -> str:
+    """Announce, then ``examples.sync_nap`` (cooperative, in a thread)."""
+    _announce(ready)
+    return examples.sync_nap(seconds, execution)
+
+
+@registry.tool
+def ready_busy_loop(ready: str, seconds: float = 3600.0) -> int:
+    """Announce, then ``examples.busy_loop`` (ignores its signal; dies on SIGTERM)."""
+    _announce(ready)
+    return examples.busy_loop(seconds)
+
+
+@registry.tool
+async def ready_ignore_sigterm(ready: str, seconds: float = 3600.0) -> str:
+    """Announce, then ``examples.ignore_sigterm`` (only SIGKILL stops it)."""
+    _announce(ready)
+    return await examples.ignore_sigterm(seconds)
+
+
+def _wait_for_exec(pid: int, marker: str) -> None:
+    """Wait (briefly) until the daemon ``pid`` has exec'd: its cmdline holds ``marker``.
+
+    ``examples.spawn_daemon`` returns as soon as the daemon knows its pid, which can be just
+    before its exec. There is no event for an exec, hence the short poll.
+    """
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    return
+        except OSError:
+            return
+        time.sleep(0.001)
+
+
+@registry.tool
+def spawn_daemon_execd(marker: str, seconds: float = 3600.0) -> int:
+    """``examples.spawn_daemon``, returning once the daemon carries ``marker`` in its argv."""
+    daemon = examples.spawn_daemon(marker, seconds)
+    _wait_for_exec(daemon, marker)
+    return daemon
+
+
+@registry.tool
+def ready_spawn_daemon_and_block(ready: str, marker: str, seconds: float = 3600.0) -> int:
+    """``examples.spawn_daemon_and_block`` with an announcement after the daemon exists.
+
+    The announcement carries the daemon's pid and is sent once the daemon has exec'd (its
+    cmdline holds ``marker``), so the test can find it machine-wide by its marker.
+    """
+    daemon = examples.spawn_daemon(marker, seconds)
+    _wait_for_exec(daemon, marker)
+    _announce(ready, daemon)
+    time.sleep(seconds)
+    return 0
+
+
+# --------------------------------------------------------------------------- the test side
+
+
+class Readiness:
+    """The listening side of the ``ready_*`` tools' announcements.
+
+    Use ``async with Readiness.open() as ready:``, pass ``ready.path`` as the tool's ``ready``
+    argument, and ``await ready.started()`` to get the announcing worker's pids.
+    """
+
+    def __init__(self, listener: anyio.abc.SocketListener, path: str) -> None:
+        self._listener = listener
+        self.path = path
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls) -> AsyncIterator[Readiness]:
+        directory = tempfile.mkdtemp(prefix="tp-ready-")  # short: unix socket paths are limited
+        path = os.path.join(directory, "s")
+        try:
+            listener = await anyio.create_unix_listener(path)
+            async with listener:
+                yield cls(listener, path)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    async def started(self, timeout: float = 15.0) -> list[int]:
+        """Wait for the next announcement; return ``[worker pid, *other pids]``."""
+        with anyio.fail_after(timeout):
+            stream = await self._listener.accept()
+            data = b""
+            async with stream:
+                try:
+                    while True:
+                        data += await stream.receive()
+                except anyio.EndOfStream:
+                    pass
+        return [int(p) for p in data.split()]
+
+
+def new_marker() -> str:
+    """A marker unique machine-wide, for a daemon's argv."""
+    return f"toolpool-test-daemon-{uuid.uuid4().hex}"
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """``pid`` and all its descendants, as psutil handles (safe against pid reuse)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def pool_processes(pool: Any) -> list[psutil.Process]:
+    """The pool's reaper, its workers and everything they spawned."""
+    reaper = pool.reaper_pid
+    assert reaper is not None
+    procs = process_tree(reaper)
+    assert procs, "the pool's reaper is not running"
+    return procs
+
+
+def alive(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """The processes that still exist, zombies included (a zombie is not reaped yet)."""
+    return [p for p in procs if p.is_running()]
+
+
+def find_by_marker(marker: str) -> list[psutil.Process]:
+    """Every process on the machine whose command line contains ``marker``."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info.get("cmdline") or []
+        if any(marker in part for part in cmdline):
+            found.append(proc)
+    return found
+
+
+def workers_of_reaper(reaper_pid: int) -> list[psutil.Process]:
+    """Every worker process on the machine started by the reaper ``reaper_pid``."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info.get("cmdline") or []
+        for i, part in enumerate(cmdline[:-1]):
+            if part == "--parent-pid" and cmdline[i + 1] == str(reaper_pid):
+                found.append(proc)
+                break
+    return found
