@@ -200,3 +200,48 @@ def test_profiles_validate_their_fields() -> None:
         Profile(max_processes=0)
     profile = Profile.untrusted().with_limits(require=frozenset({"netns"}))
     assert Profile.from_wire(profile.to_wire()) == profile
+
+
+# ----------------------------------------------------------------------------- output, usage
+
+
+@pytest.mark.anyio
+async def test_output_is_captured_per_call_with_a_cap() -> None:
+    async with toolpool.Pool(EXAMPLES, workers=1, capture_output="64KiB") as pool:
+        first = await pool.call("say", {"text": "hello", "child": True})
+        second = await pool.call("say", {"text": "again"})
+    assert first.ok
+    assert first.output == "hello\nhello from a child\n"
+    assert first.output_dropped == 0
+    assert second.output == "again\n"  # nothing of the first call leaks into the second
+
+
+@pytest.mark.anyio
+async def test_an_output_flood_is_capped_and_never_blocks() -> None:
+    async with toolpool.Pool(HOSTILE, workers=1, capture_output=1024) as pool:
+        flood = await pool.call("output_flood", {"mib": 4})
+        after = await pool.call("cooperative", {"seconds": 0.0})
+    assert flood.ok
+    assert flood.output is not None
+    assert len(flood.output) == 1024
+    assert flood.output_dropped == 2 * 4 * 1024 * 1024 - 1024  # stdout and stderr
+    assert after.output == ""
+
+
+@pytest.mark.anyio
+async def test_output_is_discarded_by_default_and_usage_is_reported() -> None:
+    async with toolpool.Pool(EXAMPLES, workers=1) as pool:
+        result = await pool.call("busy_loop", {"seconds": 0.2})
+    assert result.ok
+    assert result.output is None
+    assert result.cpu_time is not None
+    assert result.cpu_time >= 0.1  # it spun for 0.2 s of wall time
+    assert result.max_rss is not None
+    assert result.max_rss > 1024 * 1024
+
+
+def test_capture_output_is_validated() -> None:
+    with pytest.raises(ValueError, match="size"):
+        toolpool.Pool(EXAMPLES, capture_output="lots")
+    with pytest.raises(ValueError, match="half of max_frame"):
+        toolpool.Pool(EXAMPLES, capture_output="1GiB")

@@ -42,7 +42,7 @@ ARITY = {
     "fatal": 2,
     "started": 1,
     "cancel_ack": 1,
-    "result": 8,
+    "result": 9,
     "pong": 1,
     "call": 3,
     "cancel": 2,
@@ -69,6 +69,7 @@ def result_frame(**overrides: Any) -> bytes:
         "body_started": True,
         "context": {},
         "leftovers": 0,
+        "extras": {},
     }
     fields.update(overrides)
     return frame("result", *fields.values())
@@ -368,6 +369,10 @@ def test_ids_must_be_non_negative_64_bit_integers(bad: Any) -> None:
         frame("hello", PROTOCOL_VERSION, 1, SECRET, [], {"rlimits": True}),
         frame("hello", PROTOCOL_VERSION, 1, SECRET, [], {"rlimits": ["yes", "x"]}),
         result_frame(leftovers=-1),
+        result_frame(extras=[]),
+        result_frame(extras={"cpu_time": "1"}),
+        result_frame(extras={"output": "text, not bin"}),
+        result_frame(extras={"max_rss": 1.5}),
         result_frame(leftovers="1"),
         result_frame(context={b"k": 1}),
         frame("fatal", "secret-as-str", "error"),

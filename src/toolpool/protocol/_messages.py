@@ -126,6 +126,9 @@ class Result:
     context: dict[str, Any] = field(default_factory=dict)
     leftovers: int = 0
     """Child processes of the worker still present when the call ended."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Facts measured around the call: ``cpu_time`` (float seconds), ``max_rss`` (int
+    bytes), ``output`` (bin) and ``output_dropped`` (int bytes), where measured."""
     TYPE: ClassVar[str] = "result"
 
     def fields(self) -> list[Any]:
@@ -138,6 +141,7 @@ class Result:
             self.body_started,
             self.context,
             self.leftovers,
+            self.extras,
         ]
 
 
@@ -290,7 +294,18 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
     """Decode and validate one frame a worker sent. Raises :class:`ProtocolViolation`."""
     kind, body = _frame(frame, max_len)
     if kind == "result":
-        _arity(body, 8, kind)
+        _arity(body, 9, kind)
+        extras = body[8]
+        if type(extras) is not dict or not all(
+            type(extras.get(k, t())) is t
+            for k, t in (
+                ("cpu_time", float),
+                ("max_rss", int),
+                ("output", bytes),
+                ("output_dropped", int),
+            )
+        ):
+            raise ProtocolViolation("extras must be a map of the documented fields and types")
         outcome = body[1]
         if type(outcome) is not str or outcome not in OUTCOME_NAMES:
             raise ProtocolViolation(f"unknown outcome {outcome!r}")
@@ -307,6 +322,7 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
             body[5],
             body[6],
             _int_id(body[7], "leftovers"),
+            extras,
         )
     if kind == "started":
         _arity(body, 1, kind)

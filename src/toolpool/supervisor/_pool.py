@@ -70,7 +70,7 @@ from ..protocol import (
 from ..protocol import (
     Result as ResultMessage,
 )
-from ..sandbox import LAYERS, Profile
+from ..sandbox import LAYERS, Profile, parse_size
 from ..sandbox._cgroups import CgroupSet
 from ..sandbox._profile import _human as _human_size
 from ._reaper import ReaperClient
@@ -380,6 +380,7 @@ class Pool:
         env: Mapping[str, str] | None = None,
         profile: Profile | str = "default",
         allow_background: bool = False,
+        capture_output: int | str | None = None,
     ) -> None:
         """
         :param tools: ``"module:attribute"`` naming the Registry.
@@ -396,6 +397,9 @@ class Pool:
             (``"default"``, ``"untrusted"``); see ``docs/security.md``.
         :param allow_background: keep processes a call leaves running when its body returns.
             By default they are killed before the worker takes its next call.
+        :param capture_output: capture what tools (and their children) write to stdout and
+            stderr, keeping at most this many bytes per call (``Result.output``); e.g.
+            ``"64KiB"``. None (default) discards output, unless ``worker_output="inherit"``.
         """
         if not isinstance(tools, str) or ":" not in tools:
             raise ConfigurationError(f"tools must be 'module:attribute', got {tools!r}")
@@ -431,6 +435,9 @@ class Pool:
             raise TypeError(f"profile must be a toolpool.Profile or a name, not {profile!r}")
         self.profile = profile
         self.allow_background = bool(allow_background)
+        self.capture_output = parse_size(capture_output)
+        if self.capture_output is not None and self.capture_output > max_frame // 2:
+            raise ValueError("capture_output must be at most half of max_frame")
         self._cgroups: CgroupSet | None = None
         self._supervisor_layers: dict[str, tuple[bool, str]] = {}
         self._worker_layers: dict[str, list[Any]] | None = None
@@ -956,6 +963,10 @@ class Pool:
         context: Mapping[str, Any] | None = None,
         exit_status: int | None = None,
         leftovers_killed: int = 0,
+        cpu_time: float | None = None,
+        max_rss: int | None = None,
+        output: str | None = None,
+        output_dropped: int = 0,
     ) -> None:
         if call._result is not None:
             return
@@ -983,6 +994,10 @@ class Pool:
             exit_signal=exit_signal,
             context=MappingProxyType(dict(context or {})),
             leftovers_killed=leftovers_killed,
+            cpu_time=cpu_time,
+            max_rss=max_rss,
+            output=output,
+            output_dropped=output_dropped,
             timeline=Timeline(**call._times),
         )
         call._state = _CallState.SETTLED
@@ -1071,6 +1086,8 @@ class Pool:
             json.dumps(profile.to_wire()),
             "--cgroup-procs",
             ",".join(procs),
+            "--capture",
+            str(self.capture_output or 0),
         ]
         self._reaper.spawn(
             wid,
@@ -1207,6 +1224,7 @@ class Pool:
                 raise ProtocolViolation(f"result for call {msg.call_id}, which it does not own")
             value = unpack_value(msg.value, self.max_frame) if msg.value is not None else None
             call._times["returned"] = time.monotonic()
+            output = msg.extras.get("output")
             settle = functools.partial(
                 self._settle,
                 call,
@@ -1216,6 +1234,10 @@ class Pool:
                 error_name=msg.error_name,
                 body_started=msg.body_started,
                 context=msg.context,
+                cpu_time=msg.extras.get("cpu_time"),
+                max_rss=msg.extras.get("max_rss"),
+                output=None if output is None else output.decode("utf-8", "replace"),
+                output_dropped=msg.extras.get("output_dropped", 0),
             )
             if msg.leftovers and not self.allow_background and self._reaper is not None:
                 # The call left processes behind: kill them before settling, so the result

@@ -115,6 +115,17 @@ class Result:
     context: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     leftovers_killed: int = 0
     """Processes the call left running when its body returned, killed before the next call."""
+    cpu_time: float | None = None
+    """CPU seconds the worker (all its threads) and the children it reaped used during the
+    call, where the worker reported it."""
+    max_rss: int | None = None
+    """High-water mark of resident memory, in bytes: the worker's or its largest reaped
+    child's, over the worker's life so far (not reset per call)."""
+    output: str | None = None
+    """What the tool and its children wrote to stdout and stderr during the call (UTF-8,
+    invalid bytes replaced), with ``Pool(capture_output=...)``; None when not captured."""
+    output_dropped: int = 0
+    """Bytes of output beyond the per-call cap, read and discarded."""
     timeline: Timeline
 
     @property

@@ -116,3 +116,14 @@ def fail(message: str = "boom") -> None:
 def pid() -> int:
     """The worker's pid."""
     return os.getpid()
+
+
+@registry.tool
+def say(text: str, child: bool = False) -> str:
+    """Print ``text`` to stdout (and, with ``child``, have a child process print it too)."""
+    print(text)
+    if child:
+        import subprocess
+
+        subprocess.run([sys.executable, "-c", f"print({text!r} + ' from a child')"], check=True)
+    return text

@@ -14,6 +14,7 @@ import argparse
 import importlib
 import json
 import os
+import resource
 import signal
 import sys
 import traceback
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import zmq
 
+    from ._capture import OutputCapture
     from ._registry import Registry
 
 EXIT_SETUP_FAILED = 70
@@ -36,6 +38,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--max-frame", type=int, required=True)
     parser.add_argument("--profile", default=None, help="containment profile (JSON)")
+    parser.add_argument(
+        "--capture", type=int, default=0, help="bytes of output kept per call (0: none)"
+    )
     parser.add_argument(
         "--cgroup-procs", default="", help="comma-separated cgroup.procs files to join"
     )
@@ -98,6 +103,12 @@ def main(argv: list[str] | None = None) -> None:
     procs = [p for p in args.cgroup_procs.split(",") if p]
     secret, report, setup_error = setup(args.parent_pid, args.profile, procs)
 
+    capture = None
+    if args.capture > 0:
+        from ._capture import OutputCapture
+
+        capture = OutputCapture(args.capture)
+
     import zmq
 
     from ..protocol import PROTOCOL_VERSION, Fatal, Hello, encode
@@ -122,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import anyio
 
-    server = _Server(sock, registry, args.max_frame)
+    server = _Server(sock, registry, args.max_frame, capture)
     try:
         anyio.run(server.serve)
     finally:
@@ -133,7 +144,14 @@ def main(argv: list[str] | None = None) -> None:
 class _Server:
     """The worker's loop: reads messages while a body runs, one call at a time."""
 
-    def __init__(self, sock: zmq.Socket[bytes], registry: Registry, max_frame: int) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket[bytes],
+        registry: Registry,
+        max_frame: int,
+        capture: OutputCapture | None = None,
+    ) -> None:
+        self.capture = capture
         self.sock = sock
         self.registry = registry
         self.max_frame = max_frame
@@ -210,6 +228,9 @@ class _Server:
 
         call_id = msg.call_id
         _reap_zombies()
+        if self.capture is not None:
+            self.capture.begin()
+        before = _usage()
         try:
             args = unpack_value(msg.args, self.max_frame)
         except ValueError as exc:
@@ -226,6 +247,13 @@ class _Server:
             from ..protocol import pack_value
 
             packed = pack_value(result.value)
+        extras = _usage_since(before)
+        if self.capture is not None:
+            import anyio.to_thread
+
+            output, dropped = await anyio.to_thread.run_sync(self.capture.collect, call_id)
+            extras["output"] = output
+            extras["output_dropped"] = dropped
         self.current = None
         self._send(
             encode(
@@ -238,6 +266,7 @@ class _Server:
                     result.body_started,
                     dict(result.context),
                     len(_children()) if _has_children() else 0,
+                    extras,
                 )
             )
         )
@@ -259,6 +288,24 @@ def _children() -> list[int]:
         except OSError:
             pass
     return pids
+
+
+def _usage() -> tuple[float, float]:
+    """CPU seconds used so far by this process and its reaped children."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def _usage_since(before: tuple[float, float]) -> dict[str, Any]:
+    """The call's CPU time (the worker's threads and children reaped meanwhile) and the
+    high-water mark of resident memory (the worker's, or its largest reaped child's)."""
+    own, kids = _usage()
+    peak = max(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+    )
+    return {"cpu_time": (own - before[0]) + (kids - before[1]), "max_rss": peak * 1024}
 
 
 def _has_children() -> bool:
