@@ -245,3 +245,18 @@ def test_capture_output_is_validated() -> None:
         toolpool.Pool(EXAMPLES, capture_output="lots")
     with pytest.raises(ValueError, match="half of max_frame"):
         toolpool.Pool(EXAMPLES, capture_output="1GiB")
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not IS_ROOT, reason="cgroups need root here")
+async def test_tree_peak_memory_is_measured_per_call_where_a_memory_cgroup_is_in_use() -> None:
+    async with toolpool.Pool(HOSTILE, workers=1, profile="untrusted") as pool:
+        if not pool.containment().active("cgroup_memory"):
+            pytest.skip("no memory cgroup on this machine")
+        big = await pool.call("allocate", {"mib": 64})
+        small = await pool.call("allocate", {"mib": 1})
+    assert big.ok
+    assert big.tree_max_memory is not None
+    assert big.tree_max_memory >= 64 * 1024 * 1024
+    assert small.tree_max_memory is not None
+    assert small.tree_max_memory < big.tree_max_memory  # reset at every dispatch

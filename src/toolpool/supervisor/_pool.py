@@ -314,6 +314,7 @@ class _Worker:
         "gone_event",
         "hello_event",
         "last_call_id",
+        "peak_file",
         "pending",
         "pid",
         "scopes",
@@ -346,6 +347,7 @@ class _Worker:
         self.disconnected = False
         self.escalated = False
         self.awaiting_fatal = False
+        self.peak_file: str | None = None
         self.pending: Callable[..., None] | None = None
 
     def __repr__(self) -> str:
@@ -827,6 +829,8 @@ class Pool:
                 continue
             w.state = WorkerState.BUSY
             w.call = call
+            if w.peak_file is not None:
+                _write_quietly(w.peak_file, "0")  # the call's peak starts now
             call._worker = w
             call._state = _CallState.SENT
             call._times["dispatched"] = time.monotonic()
@@ -967,6 +971,7 @@ class Pool:
         max_rss: int | None = None,
         output: str | None = None,
         output_dropped: int = 0,
+        tree_max_memory: int | None = None,
     ) -> None:
         if call._result is not None:
             return
@@ -998,6 +1003,7 @@ class Pool:
             max_rss=max_rss,
             output=output,
             output_dropped=output_dropped,
+            tree_max_memory=tree_max_memory,
             timeline=Timeline(**call._times),
         )
         call._state = _CallState.SETTLED
@@ -1065,6 +1071,9 @@ class Pool:
             procs = wc.procs_files
             kill_dir = wc.kill_dir
             cleanup.extend(sorted(set(wc.dirs.values())))
+            peak = os.path.join(wc.dirs.get("memory", "/nonexistent"), "memory.max_usage_in_bytes")
+            if os.path.exists(peak):
+                w.peak_file = peak
         scratch: str | None = None
         if profile.scratch_dir:
             scratch = os.path.join(self._dir, f"scratch-w{wid}")
@@ -1238,6 +1247,7 @@ class Pool:
                 max_rss=msg.extras.get("max_rss"),
                 output=None if output is None else output.decode("utf-8", "replace"),
                 output_dropped=msg.extras.get("output_dropped", 0),
+                tree_max_memory=_read_int(w.peak_file),
             )
             if msg.leftovers and not self.allow_background and self._reaper is not None:
                 # The call left processes behind: kill them before settling, so the result
@@ -1507,6 +1517,24 @@ async def _wait_pid_gone(pid: int) -> None:
             return
         await anyio.sleep(delay)  # no event exists for a non-child's death without pidfd
         delay = min(delay * 2, 0.05)
+
+
+def _write_quietly(path: str, value: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+    except OSError:
+        pass
+
+
+def _read_int(path: str | None) -> int | None:
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def _spawning(w: _Worker) -> bool:

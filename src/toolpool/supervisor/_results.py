@@ -121,6 +121,9 @@ class Result:
     max_rss: int | None = None
     """High-water mark of resident memory, in bytes: the worker's or its largest reaped
     child's, over the worker's life so far (not reset per call)."""
+    tree_max_memory: int | None = None
+    """Peak memory of the worker's whole tree during the call, in bytes, from its memory
+    cgroup (v1 ``memory.max_usage_in_bytes``, reset at dispatch); None without one."""
     output: str | None = None
     """What the tool and its children wrote to stdout and stderr during the call (UTF-8,
     invalid bytes replaced), with ``Pool(capture_output=...)``; None when not captured."""

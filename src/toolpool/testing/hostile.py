@@ -466,3 +466,10 @@ def environment() -> dict[str, str]:
 def working_directory() -> str:
     """The worker's working directory (its scratch directory when the profile has one)."""
     return os.getcwd()
+
+
+@registry.tool
+def allocate(mib: int) -> int:
+    """Allocate and touch ``mib`` MiB, then release it and return (a well-behaved hog)."""
+    block = b"\x01" * (mib * 1024 * 1024)
+    return len(block) // (1024 * 1024)
