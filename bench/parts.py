@@ -1031,6 +1031,11 @@ def _idle_memory(
 # =========================================================================== toolpool (async)
 
 
+#: toolpool runs `workers` calls at once plus one warm spare process, which serves the next
+#: call at once when a worker is killed (the design the issue expects for that target).
+TP_WARM_SPARES = 1
+
+
 def tp_pool(workers: int = WORKERS) -> Any:
     import toolpool
 
@@ -1039,6 +1044,7 @@ def tp_pool(workers: int = WORKERS) -> Any:
         workers=workers,
         cancel_grace=TP_CANCEL_GRACE,
         term_grace=TP_TERM_GRACE,
+        warm_spares=TP_WARM_SPARES,
     )
 
 

@@ -383,6 +383,7 @@ class Pool:
         profile: Profile | str = "default",
         allow_background: bool = False,
         capture_output: int | str | None = None,
+        warm_spares: int = 0,
     ) -> None:
         """
         :param tools: ``"module:attribute"`` naming the Registry.
@@ -402,6 +403,9 @@ class Pool:
         :param capture_output: capture what tools (and their children) write to stdout and
             stderr, keeping at most this many bytes per call (``Result.output``); e.g.
             ``"64KiB"``. None (default) discards output, unless ``worker_output="inherit"``.
+        :param warm_spares: extra worker processes kept started and idle: at most ``workers``
+            calls run at once, and when a worker is killed or lost a spare serves the next call
+            at once (no interpreter start-up on that path) while a new spare starts.
         """
         if not isinstance(tools, str) or ":" not in tools:
             raise ConfigurationError(f"tools must be 'module:attribute', got {tools!r}")
@@ -437,6 +441,9 @@ class Pool:
             raise TypeError(f"profile must be a toolpool.Profile or a name, not {profile!r}")
         self.profile = profile
         self.allow_background = bool(allow_background)
+        if isinstance(warm_spares, bool) or not isinstance(warm_spares, int) or warm_spares < 0:
+            raise ValueError(f"warm_spares must be a non-negative integer, got {warm_spares!r}")
+        self.warm_spares = warm_spares
         self.capture_output = parse_size(capture_output)
         if self.capture_output is not None and self.capture_output > max_frame // 2:
             raise ValueError("capture_output must be at most half of max_frame")
@@ -505,14 +512,14 @@ class Pool:
             self._setup_containment()
             self._tg.start_soon(self._reaper.run)
             self._tg.start_soon(self._deadline_clock)
-            for _ in range(self.size):
+            for _ in range(self.size + self.warm_spares):
                 self._spawn()
             with anyio.fail_after(self.start_timeout + 5):
                 while True:
                     if self._broken is not None:
                         raise self._broken
                     if sum(w.state is WorkerState.READY for w in self._workers.values()) >= (
-                        self.size
+                        self.size + self.warm_spares
                     ):
                         break
                     await self._wait_workers_changed()
@@ -820,6 +827,8 @@ class Pool:
         if self._state in ("closing", "closed"):
             return  # what is still queued settles as aborted_before_dispatch (disposed)
         while self._queue and self._ready:
+            if self.warm_spares and self._serving() >= self.size:
+                return  # the rest are warm spares: at most `workers` calls at once
             call = self._queue.popleft()
             if call._state is not _CallState.QUEUED:
                 continue
@@ -842,6 +851,9 @@ class Pool:
                 del call._times["dispatched"]
                 self._queue.appendleft(call)
                 self._quarantine(w, "its socket refused a call")
+
+    def _serving(self) -> int:
+        return sum(1 for w in self._workers.values() if w.call is not None)
 
     def _send(self, w: _Worker, frame: bytes) -> bool:
         if w.gone or w.sock.closed:
@@ -1453,6 +1465,7 @@ class Pool:
         self._notify_workers_changed()
         if not w.awaiting_fatal:  # else: decided once the start failure is known
             self._maybe_replace(w, counts=was_serving and not w.start_failed)
+        self._dispatch()  # a warm spare (or any idle worker) takes what is queued
 
     def _maybe_replace(self, w: _Worker, *, counts: bool = False) -> None:
         if self._state in ("running", "starting") and self._broken is None:

@@ -1,0 +1,65 @@
+"""Pool options beyond the core ladder: warm spares, and the pool on trio."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+import toolpool
+from toolpool import Outcome, Rung
+
+EXAMPLES = "toolpool.testing.examples:registry"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_warm_spare_serves_the_next_call_after_a_kill(anyio_backend: str) -> None:
+    async with toolpool.Pool(EXAMPLES, workers=1, warm_spares=1) as pool:
+        before = set(pool.worker_pids())
+        assert len(before) == 2  # one serving, one spare
+        # At most `workers` calls run at once: the second waits although a process is idle.
+        first = pool.submit("nap", {"seconds": 30})
+        second = pool.submit("echo", {"value": "after"})
+        assert await first.wait_started()
+        assert pool.statistics().queued == 1
+        first.cancel(force=True)
+        killed = await first
+        served = await second
+        assert killed.outcome is Outcome.KILLED
+        assert killed.rung is Rung.SIGKILL
+        assert served.ok
+        # The spare (a process that existed before the kill) served it: no start-up on the path.
+        assert served.worker_pid in before - {killed.worker_pid}
+        assert served.timeline.dispatched is not None
+        assert killed.timeline.settled is not None
+        assert served.timeline.dispatched >= killed.timeline.settled
+        with anyio.fail_after(30):  # a new spare is started in the background
+            while len(pool.worker_pids()) < 2 or pool.statistics().workers.get("ready") != 2:
+                await pool.call("noop")
+        assert killed.worker_pid not in pool.worker_pids()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
+def test_warm_spares_is_validated(bad: object) -> None:
+    with pytest.raises(ValueError, match="warm_spares"):
+        toolpool.Pool(EXAMPLES, warm_spares=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_the_pool_runs_on_trio(anyio_backend: str) -> None:
+    async with toolpool.Pool(EXAMPLES, workers=2, cancel_grace=0.2, term_grace=0.2) as pool:
+        ok = await pool.call("echo", {"value": [1, 2]})
+        cooperative = pool.submit("nap", {"seconds": 30})
+        assert await cooperative.wait_started()
+        cooperative.cancel()
+        stubborn = pool.submit("busy_loop", {})
+        assert await stubborn.wait_started()
+        stubborn.cancel()
+        aborted, killed = await cooperative, await stubborn
+        pids = pool.worker_pids()
+    assert ok.value == [1, 2]
+    assert aborted.outcome is Outcome.ABORTED
+    assert killed.outcome is Outcome.KILLED
+    assert killed.rung is Rung.SIGTERM
+    assert pids
