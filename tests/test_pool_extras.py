@@ -63,3 +63,21 @@ async def test_the_pool_runs_on_trio(anyio_backend: str) -> None:
     assert killed.outcome is Outcome.KILLED
     assert killed.rung is Rung.SIGTERM
     assert pids
+
+
+def test_the_blocking_facade_for_scripts() -> None:
+    with toolpool.SyncPool(EXAMPLES, workers=1, cancel_grace=0.2) as pool:
+        assert pool.call("echo", {"value": 3}).value == 3
+        call = pool.submit("sync_nap", {"seconds": 30})
+        call.cancel({"kind": "parent"})
+        result = call.result()
+        assert result.outcome in (Outcome.ABORTED, Outcome.ABORTED_BEFORE_DISPATCH)
+        assert result.cause == {"kind": "parent"}
+        assert call.done()
+        with pytest.raises(ValueError, match="kind"):
+            call.cancel({"kind": "bogus"})
+        assert pool.statistics().submitted == 2
+        pids = pool._pool.worker_pids()
+    assert pids
+    with pytest.raises(RuntimeError, match="SyncPool"):
+        pool.call("echo")

@@ -27,7 +27,20 @@ from .core import (
     fuse,
     validate_cause,
 )
-from .supervisor import Call, Group, Pool, Result, Rung, Statistics, Timeline, WorkerState
+from .sandbox import Profile
+from .supervisor import (
+    Call,
+    ContainmentReport,
+    Group,
+    Pool,
+    Result,
+    Rung,
+    Statistics,
+    SyncCall,
+    SyncPool,
+    Timeline,
+    WorkerState,
+)
 from .worker import (
     DispatchExecution,
     Registry,
@@ -47,17 +60,21 @@ __all__ = (
     "CancelSignal",
     "CauseKind",
     "ConfigurationError",
+    "ContainmentReport",
     "DispatchExecution",
     "Fusion",
     "Group",
     "Outcome",
     "Pool",
     "PoolClosedError",
+    "Profile",
     "Registry",
     "RemoteProtocolError",
     "Result",
     "Rung",
     "Statistics",
+    "SyncCall",
+    "SyncPool",
     "Timeline",
     "ToolDenied",
     "ToolExecution",

@@ -4,6 +4,20 @@ Never imports :mod:`toolpool.worker`: workers are started by module path.
 """
 
 from ._pool import Call, Group, Pool
-from ._results import Result, Rung, Statistics, Timeline, WorkerState
+from ._results import ContainmentReport, Layer, Result, Rung, Statistics, Timeline, WorkerState
+from ._sync import SyncCall, SyncPool
 
-__all__ = ("Call", "Group", "Pool", "Result", "Rung", "Statistics", "Timeline", "WorkerState")
+__all__ = (
+    "Call",
+    "ContainmentReport",
+    "Group",
+    "Layer",
+    "Pool",
+    "Result",
+    "Rung",
+    "Statistics",
+    "SyncCall",
+    "SyncPool",
+    "Timeline",
+    "WorkerState",
+)
