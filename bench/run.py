@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime
 import importlib.util
 import json
@@ -37,6 +36,8 @@ import uuid
 from typing import Any
 
 import psutil
+
+from toolpool.sandbox._linux import PR_SET_CHILD_SUBREAPER, prctl, reap_zombies
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
@@ -70,21 +71,7 @@ PEER_LABEL = {
 
 
 def become_subreaper() -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(36, 1, 0, 0, 0) == 0)  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
-        return False
-
-
-def reap_zombies() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    return prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def tagged(tag: str) -> list[psutil.Process]:

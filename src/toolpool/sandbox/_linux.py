@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import ctypes
+import os
 
-__all__ = ("PR_SET_CHILD_SUBREAPER", "PR_SET_NO_NEW_PRIVS", "PR_SET_PDEATHSIG", "prctl")
+__all__ = (
+    "PR_SET_CHILD_SUBREAPER",
+    "PR_SET_NO_NEW_PRIVS",
+    "PR_SET_PDEATHSIG",
+    "prctl",
+    "reap_zombies",
+)
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -18,3 +25,14 @@ def prctl(option: int, arg: int) -> bool:
         return bool(libc.prctl(option, arg, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
+
+
+def reap_zombies() -> None:
+    """Reap every child that already exited, without blocking."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return

@@ -225,9 +225,10 @@ class _Server:
 
     async def _run(self, msg: Any, controller: Any) -> None:
         from ..protocol import Result, Started, encode, unpack_value
+        from ..sandbox._linux import reap_zombies
 
         call_id = msg.call_id
-        _reap_zombies()
+        reap_zombies()  # leftovers the supervisor killed between calls
         if self.capture is not None:
             self.capture.begin()
         before = _usage()
@@ -315,14 +316,3 @@ def _has_children() -> bool:
     except ChildProcessError:
         return False
     return True
-
-
-def _reap_zombies() -> None:
-    """Reap children that already exited (leftovers the supervisor killed between calls)."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
