@@ -1,52 +1,96 @@
 """toolpool: run tool calls in isolated worker processes and stop them truthfully.
 
-The public API. Everything here is re-exported from a private module; ``__module__`` is
-rewritten so tracebacks and reprs read ``toolpool.X``.
+The public API. Everything here is re-exported from a private module, on first use (so a
+worker process, which needs the registry but not the supervisor, imports only what it uses);
+``__module__`` is rewritten so tracebacks and reprs read ``toolpool.X``.
 """
 
 from __future__ import annotations
 
-from .core import (
-    ABORTED_BEFORE_DISPATCH_TEXT,
-    ABORTED_TEXT,
-    AbortError,
-    CancelCause,
-    CancelController,
-    CancelSignal,
-    CauseKind,
-    ConfigurationError,
-    Fusion,
-    Outcome,
-    PoolClosedError,
-    RemoteProtocolError,
-    ToolDenied,
-    ToolpoolError,
-    UnknownToolError,
-    WorkerLost,
-    WorkerStartError,
-    fuse,
-    validate_cause,
-)
-from .sandbox import Profile
-from .supervisor import (
-    Call,
-    ContainmentReport,
-    Group,
-    Pool,
-    Result,
-    Rung,
-    Statistics,
-    SyncCall,
-    SyncPool,
-    Timeline,
-    WorkerState,
-)
-from .worker import (
-    DispatchExecution,
-    Registry,
-    ToolExecution,
-    ToolResult,
-)
+import importlib as _importlib
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from .core import (
+        ABORTED_BEFORE_DISPATCH_TEXT,
+        ABORTED_TEXT,
+        AbortError,
+        CancelCause,
+        CancelController,
+        CancelSignal,
+        CauseKind,
+        ConfigurationError,
+        Fusion,
+        Outcome,
+        PoolClosedError,
+        RemoteProtocolError,
+        ToolDenied,
+        ToolpoolError,
+        UnknownToolError,
+        WorkerLost,
+        WorkerStartError,
+        fuse,
+        validate_cause,
+    )
+    from .sandbox import Profile
+    from .supervisor import (
+        Call,
+        ContainmentReport,
+        Group,
+        Pool,
+        Result,
+        Rung,
+        Statistics,
+        SyncCall,
+        SyncPool,
+        Timeline,
+        WorkerState,
+    )
+    from .worker import (
+        DispatchExecution,
+        Registry,
+        ToolExecution,
+        ToolResult,
+    )
+
+#: Where each public name lives.
+_EXPORTS: dict[str, str] = {
+    "ABORTED_BEFORE_DISPATCH_TEXT": "core",
+    "ABORTED_TEXT": "core",
+    "AbortError": "core",
+    "Call": "supervisor",
+    "CancelCause": "core",
+    "CancelController": "core",
+    "CancelSignal": "core",
+    "CauseKind": "core",
+    "ConfigurationError": "core",
+    "ContainmentReport": "supervisor",
+    "DispatchExecution": "worker",
+    "Fusion": "core",
+    "Group": "supervisor",
+    "Outcome": "core",
+    "Pool": "supervisor",
+    "PoolClosedError": "core",
+    "Profile": "sandbox",
+    "Registry": "worker",
+    "RemoteProtocolError": "core",
+    "Result": "supervisor",
+    "Rung": "supervisor",
+    "Statistics": "supervisor",
+    "SyncCall": "supervisor",
+    "SyncPool": "supervisor",
+    "Timeline": "supervisor",
+    "ToolDenied": "core",
+    "ToolExecution": "worker",
+    "ToolResult": "worker",
+    "ToolpoolError": "core",
+    "UnknownToolError": "core",
+    "WorkerLost": "core",
+    "WorkerStartError": "core",
+    "WorkerState": "supervisor",
+    "fuse": "core",
+    "validate_cause": "core",
+}
 
 __version__ = "0.1.0.dev0"
 
@@ -90,14 +134,19 @@ __all__ = (
 )
 
 
-def _rewrite_modules() -> None:
-    for name in __all__:
-        obj = globals()[name]
-        if isinstance(obj, type) or callable(obj):
-            try:
-                obj.__module__ = __name__
-            except (AttributeError, TypeError):
-                pass
+def __getattr__(name: str) -> _typing.Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'toolpool' has no attribute {name!r}")
+    obj = getattr(_importlib.import_module(f"toolpool.{module}"), name)
+    if isinstance(obj, type) or callable(obj):
+        try:
+            obj.__module__ = __name__
+        except (AttributeError, TypeError):
+            pass
+    globals()[name] = obj
+    return obj
 
 
-_rewrite_modules()
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
