@@ -53,6 +53,29 @@ async def bounded(waiting: Awaitable[Any]) -> None:
 # ----------------------------------------------------------------------------- helpers
 
 
+async def cancel_at(
+    reached: anyio.Event,
+    registry: Registry,
+    tool: str,
+    controller: CancelController,
+    *,
+    cause: Any = None,
+) -> ToolResult:
+    """Run ``tool``, cancel ``controller`` (with ``cause``) once ``reached`` is set, and
+    return the call's result."""
+    results: list[ToolResult] = []
+    async with anyio.create_task_group() as tg:
+
+        async def call() -> None:
+            results.append(await registry.execute(tool, {}, signal=controller.signal))
+
+        tg.start_soon(call)
+        await reached.wait()
+        controller.cancel(cause)
+    [result] = results
+    return result
+
+
 def assert_aborted_before_dispatch(result: ToolResult) -> None:
     assert result.outcome is Outcome.ABORTED_BEFORE_DISPATCH
     assert result.error == BEFORE_DISPATCH_TEXT
@@ -555,16 +578,7 @@ async def test_aborted_when_the_body_stops_cooperatively(style: str) -> None:
             execution.signal.raise_if_cancelled()
             return "unreachable"
 
-    results: list[ToolResult] = []
-    async with anyio.create_task_group() as tg:
-
-        async def call() -> None:
-            results.append(await registry.execute("work", {}, signal=controller.signal))
-
-        tg.start_soon(call)
-        await started.wait()
-        controller.cancel({"kind": "parent"})
-    [result] = results
+    result = await cancel_at(started, registry, "work", controller, cause={"kind": "parent"})
     assert_aborted(result)
     assert seen == [{"kind": "parent"}]
     assert controller.signal.listener_count == 0
@@ -582,16 +596,8 @@ async def test_a_value_returned_after_cancellation_is_replaced_by_aborted() -> N
         await bounded(execution.signal.wait())
         return "partial"
 
-    results: list[ToolResult] = []
-    async with anyio.create_task_group() as tg:
-
-        async def call() -> None:
-            results.append(await registry.execute("work", {}, signal=controller.signal))
-
-        tg.start_soon(call)
-        await started.wait()
-        controller.cancel()
-    assert_aborted(results[0])
+    result = await cancel_at(started, registry, "work", controller)
+    assert_aborted(result)
 
 
 @pytest.mark.anyio
@@ -615,16 +621,7 @@ async def test_aborted_when_cancelled_during_a_post_policy_wait(ending: str) -> 
         body_done.append("written")
         return "written"
 
-    results: list[ToolResult] = []
-    async with anyio.create_task_group() as tg:
-
-        async def call() -> None:
-            results.append(await registry.execute("write", {}, signal=controller.signal))
-
-        tg.start_soon(call)
-        await in_post.wait()
-        controller.cancel()
-    [result] = results
+    result = await cancel_at(in_post, registry, "write", controller)
     assert_aborted(result)
     assert body_done == ["written"]
 
@@ -651,16 +648,7 @@ async def test_aborted_when_cancelled_during_a_wrapper_wait_after_the_body(endin
         body_done.append("written")
         return "written"
 
-    results: list[ToolResult] = []
-    async with anyio.create_task_group() as tg:
-
-        async def call() -> None:
-            results.append(await registry.execute("write", {}, signal=controller.signal))
-
-        tg.start_soon(call)
-        await waiting.wait()
-        controller.cancel()
-    [result] = results
+    result = await cancel_at(waiting, registry, "write", controller)
     assert_aborted(result)
     assert body_done == ["written"]
 
@@ -1001,16 +989,7 @@ async def test_a_wrapper_cannot_cut_the_caller_off() -> None:
         seen.append(execution.signal.reason)
         execution.signal.raise_if_cancelled()
 
-    results: list[ToolResult] = []
-    async with anyio.create_task_group() as tg:
-
-        async def call() -> None:
-            results.append(await registry.execute("body", {}, signal=controller.signal))
-
-        tg.start_soon(call)
-        await started.wait()
-        controller.cancel({"kind": "parent"})
-    [result] = results
+    result = await cancel_at(started, registry, "body", controller, cause={"kind": "parent"})
     assert_aborted(result)
     assert seen == [{"kind": "parent"}]
     assert body_signals[0] is not own.signal
