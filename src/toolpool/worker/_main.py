@@ -20,6 +20,33 @@ import sys
 import traceback
 from typing import TYPE_CHECKING, Any
 
+import anyio
+import anyio.to_thread
+
+# Stdlib and msgpack only (no threads): safe before set-up. zmq is imported after it.
+from ..core import CancelCause, CancelController, cancel_with_runtime_cause
+from ..protocol import (
+    PROTOCOL_VERSION,
+    Call,
+    Cancel,
+    CancelAck,
+    Fatal,
+    Hello,
+    Ping,
+    Pong,
+    ProtocolViolation,
+    Result,
+    Shutdown,
+    Started,
+    decode_from_supervisor,
+    encode,
+    pack_value,
+    unpack_value,
+)
+from ..sandbox import Profile
+from ..sandbox._apply import apply_profile
+from ..sandbox._linux import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl, reap_zombies
+
 if TYPE_CHECKING:
     import zmq
 
@@ -55,9 +82,6 @@ def setup(
     Returns the secret, what the containment set-up applied, and an error that must stop the
     worker (a required layer is missing), reported once connected.
     """
-    from ..sandbox import Profile
-    from ..sandbox._apply import apply_profile
-    from ..sandbox._linux import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 
     error: str | None = None
     report: dict[str, list[Any]] = {}
@@ -111,8 +135,6 @@ def main(argv: list[str] | None = None) -> None:
 
     import zmq
 
-    from ..protocol import PROTOCOL_VERSION, Fatal, Hello, encode
-
     ctx = zmq.Context(io_threads=1)
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 2000)
@@ -130,8 +152,6 @@ def main(argv: list[str] | None = None) -> None:
         ctx.term()
         os._exit(EXIT_TOOLS_FAILED)
     sock.send(encode(Hello(PROTOCOL_VERSION, os.getpid(), secret, catalog, report)))
-
-    import anyio
 
     server = _Server(sock, registry, args.max_frame, capture)
     try:
@@ -158,10 +178,15 @@ class _Server:
         self.current: tuple[int, Any] | None = None  # (call_id, CancelController)
         self.shutdown = False
         self._tg: Any = None
+        # zmq is imported only after set-up; keep what the hot path needs at hand.
+        import zmq
+
+        from .._transport import readable
+
+        self._readable = readable
+        self._noblock = zmq.NOBLOCK
 
     async def serve(self) -> None:
-        import anyio
-
         from .._transport import fd_of, on_readable
 
         fd = fd_of(self.sock)
@@ -179,22 +204,15 @@ class _Server:
             tg.cancel_scope.cancel()
 
     def _send(self, frame: bytes) -> None:
-        from .._transport import readable
-
         self.sock.send(frame, 0, copy=len(frame) < 65536)
         # Sending may consume the edge of zmq's notification fd: drain what arrived meanwhile.
-        if readable(self.sock):
+        if self._readable(self.sock):
             self._drain()
 
     def _drain(self) -> None:
-        import zmq
-
-        from .._transport import readable
-        from ..protocol import ProtocolViolation, decode_from_supervisor
-
         sock = self.sock
-        while readable(sock):
-            frame = sock.recv(zmq.NOBLOCK)
+        while self._readable(sock):
+            frame = sock.recv(self._noblock)
             try:
                 msg = decode_from_supervisor(frame, max_len=self.max_frame)
             except ProtocolViolation:
@@ -203,9 +221,6 @@ class _Server:
             self._handle(msg)
 
     def _handle(self, msg: Any) -> None:
-        from ..core import CancelCause, CancelController, cancel_with_runtime_cause
-        from ..protocol import Call, Cancel, CancelAck, Ping, Pong, Shutdown, encode
-
         if isinstance(msg, Call):
             if self.current is not None:  # the supervisor never does this
                 os._exit(EXIT_PROTOCOL)
@@ -224,9 +239,6 @@ class _Server:
                 self._tg.cancel_scope.cancel()
 
     async def _run(self, msg: Any, controller: Any) -> None:
-        from ..protocol import Result, Started, encode, unpack_value
-        from ..sandbox._linux import reap_zombies
-
         call_id = msg.call_id
         reap_zombies()  # leftovers the supervisor killed between calls
         if self.capture is not None:
@@ -245,13 +257,9 @@ class _Server:
         )
         packed = result._packed_value
         if packed is None and result.value is not None:
-            from ..protocol import pack_value
-
             packed = pack_value(result.value)
         extras = _usage_since(before)
         if self.capture is not None:
-            import anyio.to_thread
-
             output, dropped = await anyio.to_thread.run_sync(self.capture.collect, call_id)
             extras["output"] = output
             extras["output_dropped"] = dropped
