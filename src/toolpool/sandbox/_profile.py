@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Final, final
 
@@ -241,11 +241,6 @@ class Profile:
             "filesystem": "read-only but scratch" if self.landlock else "unrestricted",
             "environment": "inherited" if self.env_allowlist is None else "allowlist",
         }
-
-
-def allowlisted_env(environ: Mapping[str, str], allow: Iterable[str]) -> dict[str, str]:
-    """Only the allowed variables of ``environ``."""
-    return {k: environ[k] for k in allow if k in environ}
 
 
 def _human(n: int) -> str:
