@@ -169,3 +169,34 @@ async def poke_neighbours(send: bool = False, hold: float = 0.5) -> int:
             sock.close(linger=0)
         ctx.term()
     return len(socks)
+
+
+@registry.tool
+def connect_unix_others(paths: dict[str, str]) -> dict[str, str]:
+    """Connect a unix stream socket to each path whose key is not this worker's pid:
+    'connected' or the errno's name, by key."""
+    import errno
+    import socket
+
+    outcome = {}
+    for key, path in paths.items():
+        if key == str(os.getpid()):
+            continue
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            try:
+                sock.connect(path)
+                outcome[key] = "connected"
+            except OSError as exc:
+                outcome[key] = errno.errorcode.get(exc.errno or 0, str(exc))
+    return outcome
+
+
+@registry.tool
+def list_directory(path: str) -> list[str] | str:
+    """The entries of ``path``, or the errno's name if it cannot be listed."""
+    import errno
+
+    try:
+        return sorted(os.listdir(path))
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno or 0, str(exc))

@@ -9,6 +9,7 @@ anywhere on the machine, and leave a pool that still serves calls.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,7 @@ async def test_untrusted_profile_activates_every_layer_this_machine_has() -> Non
     active = {layer.name for layer in report.layers if layer.active}
     expected = {"session", "subreaper", "pidfd", "rlimits", "netns", "scratch_dir"}
     expected |= {"env_allowlist", "landlock", "cgroup_kill", "cgroup_memory", "cgroup_pids"}
+    expected |= {"uid"}
     assert expected <= active, report.format()
     assert report.profile == "untrusted"
     assert "layers:" in report.format()
@@ -199,6 +201,138 @@ def test_profiles_validate_their_fields() -> None:
     with pytest.raises(ValueError, match="max_processes"):
         Profile(max_processes=0)
     profile = Profile.untrusted().with_limits(require=frozenset({"netns"}))
+    assert Profile.from_wire(profile.to_wire()) == profile
+
+
+# ----------------------------------------------------------------------------- another uid
+
+PER_WORKER_UID = Profile.default().with_limits(user="per-worker")
+PROBES = "hostile_tools:registry"
+needs_root = pytest.mark.skipif(not IS_ROOT, reason="changing uid needs root")
+
+
+def _layer(pool: toolpool.Pool, name: str) -> Any:
+    return {layer.name: layer for layer in pool.containment().layers}[name]
+
+
+@pytest.mark.anyio
+@needs_root
+async def test_each_worker_runs_as_a_uid_of_its_own_without_privileges() -> None:
+    profile = PER_WORKER_UID.with_limits(max_processes=64)
+    async with toolpool.Pool(HOSTILE, workers=2, profile=profile) as pool:
+        uids = {}
+        for pid in pool.worker_pids():
+            ids = psutil.Process(pid).uids()
+            assert ids.real == ids.effective == ids.saved == 2_000_000_000 + pid
+            uids[pid] = ids.real
+        assert len(set(uids.values())) == 2
+        result = await pool.call("identity")
+        assert result.ok, result
+        me = result.value
+        assert me["uid"] == me["gid"] == uids[result.worker_pid]
+        assert me["groups"] == []
+        assert int(me["cap_eff"], 16) == 0
+        assert me["no_new_privs"] == "1"
+        assert me["nproc"] == 64  # RLIMIT_NPROC counts per uid: here, per worker
+        layer = _layer(pool, "uid")
+        assert layer.active, layer
+        assert "nproc=64" in layer.detail
+        # The scratch directory is the worker's own, and still removed afterwards.
+        where = await pool.call("working_directory")
+        cwd = where.value
+        assert os.stat(cwd).st_uid == uids[where.worker_pid]
+        assert os.stat(cwd).st_mode & 0o777 == 0o700
+    assert not Path(cwd).exists()
+
+
+@pytest.mark.anyio
+@needs_root
+async def test_a_named_user_runs_every_worker() -> None:
+    profile = Profile.default().with_limits(user="nobody")
+    async with toolpool.Pool(HOSTILE, workers=2, profile=profile) as pool:
+        assert {psutil.Process(pid).uids().real for pid in pool.worker_pids()} == {65534}
+        result = await pool.call("identity")
+        assert (result.value["uid"], result.value["gid"]) == (65534, 65534)
+
+
+@pytest.mark.anyio
+@needs_root
+async def test_another_uid_alone_blocks_signals_and_cgroup_escape() -> None:
+    """No Landlock: the uid change by itself stops a tool signalling the supervisor, the
+    reaper or a sibling worker, and writing itself into the root cgroup."""
+    async with toolpool.Pool(HOSTILE, workers=2, profile=PER_WORKER_UID) as pool:
+        assert not _layer(pool, "landlock").active
+        result = await pool.call("signal_others", {"workers": pool.worker_pids()})
+        assert result.value == {"reaper": "blocked", "supervisor": "blocked", "sibling": "blocked"}
+        escape = await pool.call("leave_cgroup", {"marker": "unused", "block": False})
+        assert escape.ok, escape
+        assert escape.value in ("blocked (EACCES)", "no cgroup v2"), escape.value
+
+
+@pytest.mark.anyio
+@needs_root
+async def test_a_worker_cannot_reach_another_workers_socket_or_files() -> None:
+    async with toolpool.Pool(PROBES, workers=2, profile=PER_WORKER_UID) as pool:
+        endpoints = {str(w.pid): w.endpoint.removeprefix("ipc://") for w in pool._workers.values()}
+        assert len(endpoints) == 2
+        probe = await pool.call("connect_unix_others", {"paths": endpoints})
+        assert probe.ok, probe
+        assert probe.value == {p: "EACCES" for p in endpoints if p != str(probe.worker_pid)}
+        own = endpoints[str(probe.worker_pid)]
+        assert os.stat(own).st_mode & 0o777 == 0o600
+        listing = await pool.call("list_directory", {"path": os.path.dirname(own)})
+        assert listing.value == "EACCES"
+
+
+@pytest.mark.anyio
+@needs_root
+async def test_directories_the_new_uid_cannot_search_are_hidden_but_for_the_interpreter() -> None:
+    from toolpool.sandbox._identity import _first_blocked, needed_paths
+
+    blocked = _first_blocked(os.path.realpath(sys.base_prefix), 65534, 65534)
+    if blocked is None:
+        pytest.skip("the interpreter is readable by everyone on this machine")
+    directory, child = blocked
+    depth = len(Path(directory).parts)
+    expected = {
+        Path(p).parts[depth] for p in needed_paths() if p.startswith(directory.rstrip("/") + "/")
+    }
+    assert child in expected
+    profile = Profile.default().with_limits(user="nobody")
+    async with toolpool.Pool(PROBES, workers=1, profile=profile) as pool:
+        listing = await pool.call("list_directory", {"path": directory})
+        assert listing.ok, listing
+        assert set(listing.value) == expected
+        assert f"{directory} hidden" in _layer(pool, "uid").detail
+        assert (await pool.call("echo", {"value": "imports still work"})).ok
+
+
+def test_a_uid_change_without_root_is_reported_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from toolpool.sandbox._apply import apply_profile
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    quiet = Profile(core_dumps=True, scratch_dir=False, user="per-worker")
+    report = apply_profile(quiet, [])
+    assert report["uid"][0] is False
+    assert "needs root" in report["uid"][1]
+    with pytest.raises(RuntimeError, match="uid"):
+        apply_profile(quiet.with_limits(require=frozenset({"uid"})), [])
+
+
+def test_the_user_field_is_validated() -> None:
+    assert Profile.untrusted().user == "per-worker"
+    assert Profile(user="nobody").describe()["user"] == "nobody"
+    assert Profile(user=65534).user == 65534
+    with pytest.raises(ValueError, match="no user named"):
+        Profile(user="no-such-user-here")
+    with pytest.raises(TypeError):
+        Profile(user=True)
+    with pytest.raises(TypeError):
+        Profile(user=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="uid"):
+        Profile(user=-1)
+    profile = Profile.untrusted()
     assert Profile.from_wire(profile.to_wire()) == profile
 
 

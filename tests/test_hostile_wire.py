@@ -440,6 +440,10 @@ def test_supervisor_sigkill_while_hostile_tools_run(
     info = sup.read(timeout=30)
     workers = sup.track(*info["workers"])
     (reaper,) = sup.track(info["reaper"])
+    if os.geteuid() == 0:  # the untrusted profile gives each worker a uid of its own
+        assert all(w.uids().real == 2_000_000_000 + w.pid for w in workers), [
+            (w.pid, w.uids(), w.cmdline()[:3]) for w in workers
+        ]
     # Both tools are running and have spawned (the escaper's daemon, the bomb's children).
     wait_until(lambda: len(marked(marker)) >= 2, 20, "the hostile tools' processes to appear")
     spawned = marked(marker)

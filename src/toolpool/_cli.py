@@ -24,6 +24,11 @@ def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
     cmd.add_argument("--max-file-size", help="largest file a tool may write, e.g. 64MiB")
     cmd.add_argument("--no-network", action="store_true", help="an empty network namespace")
     cmd.add_argument(
+        "--user",
+        help="run workers as: 'per-worker' (a uid each), a user name or uid, or 'same' "
+        "(the supervisor's); needs root",
+    )
+    cmd.add_argument(
         "--no-cgroups", action="store_true", help="force the fallbacks: leave cgroups off"
     )
 
@@ -106,6 +111,10 @@ def _profile(ns: argparse.Namespace) -> Any:
     }
     if ns.no_network:
         changes["network"] = False
+    if ns.user is not None:
+        changes["user"] = (
+            None if ns.user == "same" else int(ns.user) if ns.user.isdigit() else ns.user
+        )
     if ns.no_cgroups:
         changes["disable"] = frozenset({"cgroups"})
     return profile.with_limits(**changes) if changes else profile

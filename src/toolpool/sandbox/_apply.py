@@ -1,8 +1,10 @@
 """Worker-side set-up of a containment profile: runs first thing in the worker process,
 single-threaded, before zmq starts its threads and before the tools module is imported.
 
-Order (it must not undo itself): join cgroups, resource limits, network namespace; the caller
-then arms PDEATHSIG, checks the parent, and becomes a subreaper. Each step reports whether it
+Order (it must not undo itself): join cgroups, resource limits, network namespace, the uid
+change (its mount namespace must come before Landlock, which forbids mounting), Landlock; the
+caller then arms PDEATHSIG (a uid change clears it), checks the parent, and becomes a
+subreaper. Each step reports whether it
 is active and, if not, why; nothing fails because a layer is missing unless it is required.
 """
 
@@ -54,8 +56,13 @@ def _unshare_network() -> str:
     return "own empty network namespace (in a user namespace)"
 
 
-def apply_profile(profile: Profile, procs_files: list[str]) -> dict[str, list[Any]]:
+def apply_profile(
+    profile: Profile, procs_files: list[str], own: list[str] | None = None
+) -> dict[str, list[Any]]:
     """Apply ``profile`` to this process. Returns ``{layer: [active, detail]}``.
+
+    ``own`` names files the worker keeps using after a uid change (its socket file); they and
+    the scratch directory (the working directory) are handed to the new uid.
 
     Raises :class:`RuntimeError` if a layer in ``profile.require`` could not be applied.
     """
@@ -93,6 +100,20 @@ def apply_profile(profile: Profile, procs_files: list[str]) -> dict[str, list[An
             report["netns"] = [True, _unshare_network()]
         except OSError as exc:
             report["netns"] = [False, str(exc)]
+
+    if profile.user is not None:
+        from ._identity import drop_privileges
+
+        owned = [*(own or ()), *([os.getcwd()] if profile.scratch_dir else [])]
+        try:
+            detail = drop_privileges(profile.user, owned)
+            if profile.max_processes is not None:
+                # Enforced for a non-root uid, per uid: with a uid per worker, per worker.
+                _set_limit(resource.RLIMIT_NPROC, profile.max_processes)
+                detail += f", nproc={profile.max_processes}"
+            report["uid"] = [True, detail]
+        except (OSError, ValueError) as exc:
+            report["uid"] = [False, str(exc)]
 
     if profile.landlock:
         from ._landlock import restrict

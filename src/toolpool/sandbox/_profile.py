@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Final, final
 
+from ._identity import PER_WORKER, resolve_user
+
 __all__ = (
     "DEFAULT_ENV_ALLOWLIST",
     "LAYERS",
@@ -27,6 +29,7 @@ LAYERS: Final = (
     "rlimits",
     "netns",
     "landlock",
+    "uid",
     "scratch_dir",
     "env_allowlist",
 )
@@ -142,6 +145,12 @@ class Profile:
     no signal can reach a process outside the worker's sandbox (the supervisor, siblings)."""
     env_allowlist: tuple[str, ...] | None = None
     """None: workers inherit the supervisor's environment. Otherwise only these names."""
+    user: str | int | None = None
+    """None: workers run as the supervisor's user. ``"per-worker"``: each worker gets a uid and
+    gid of its own (2,000,000,000 + its pid), so a tool cannot signal the supervisor or a
+    sibling, leave its cgroup, or reach another worker's socket. A user name or uid: every
+    worker runs as that user. Needs root; the interpreter is made reachable for the new uid in
+    a private mount namespace (see docs/security.md)."""
     require: frozenset[str] = field(default_factory=frozenset)
     """Layers that must be active, or the pool refuses to start."""
     disable: frozenset[str] = field(default_factory=frozenset)
@@ -159,6 +168,7 @@ class Profile:
             if isinstance(allow, str) or not all(isinstance(n, str) for n in allow):
                 raise TypeError("env_allowlist is a sequence of variable names")
             object.__setattr__(self, "env_allowlist", tuple(allow))
+        _check_user(self.user)
         require = frozenset(self.require)
         unknown = require - set(LAYERS)
         if unknown:
@@ -179,7 +189,8 @@ class Profile:
         """Every layer on, with documented limits: 512 MiB and 256 processes per worker tree,
         60 CPU-seconds and 256 open files per process, 64 MiB files, no network, a scratch
         directory, a read-only filesystem elsewhere (Landlock), no signals to processes outside
-        the sandbox, and an environment reduced to :data:`DEFAULT_ENV_ALLOWLIST`."""
+        the sandbox, a uid of its own per worker (where the supervisor is root), and an
+        environment reduced to :data:`DEFAULT_ENV_ALLOWLIST`."""
         return cls(
             name="untrusted",
             memory=512 * 1024**2,
@@ -190,6 +201,7 @@ class Profile:
             network=False,
             landlock=True,
             env_allowlist=DEFAULT_ENV_ALLOWLIST,
+            user=PER_WORKER,
         )
 
     @classmethod
@@ -240,7 +252,26 @@ class Profile:
             "scratch_dir": "on" if self.scratch_dir else "off",
             "filesystem": "read-only but scratch" if self.landlock else "unrestricted",
             "environment": "inherited" if self.env_allowlist is None else "allowlist",
+            "user": _describe_user(self.user),
         }
+
+
+def _check_user(user: object) -> None:
+    if user is None or user == PER_WORKER:
+        return
+    if isinstance(user, bool) or not isinstance(user, (int, str)):
+        raise TypeError(f"user is None, 'per-worker', a user name or a uid, not {user!r}")
+    if isinstance(user, int) and not 0 <= user < 2**32 - 1:
+        raise ValueError(f"a uid is between 0 and 2**32-2, got {user}")
+    resolve_user(user)
+
+
+def _describe_user(user: str | int | None) -> str:
+    if user is None:
+        return "unchanged"
+    if user == PER_WORKER:
+        return "own uid per worker"
+    return str(user)
 
 
 def _human(n: int) -> str:

@@ -505,7 +505,9 @@ class Pool:
         await self._tg.__aenter__()
         try:
             self._dir = tempfile.mkdtemp(prefix="toolpool-")
-            os.chmod(self._dir, 0o700)
+            # Workers running as other uids must reach their own socket file (theirs, 0600
+            # once they own it) by name; nobody but the supervisor can list the directory.
+            os.chmod(self._dir, 0o700 if self.profile.user is None else 0o711)
             self._ctx = zmq.Context(io_threads=1)
             self._reaper = ReaperClient(self._on_reaper_event)
             await self._reaper.start(self.start_timeout)
@@ -673,10 +675,11 @@ class Pool:
             merged["netns"] = (False, "network allowed by the profile")
         elif "netns" in worker:
             merged["netns"] = (bool(worker["netns"][0]), str(worker["netns"][1]))
-        if not self.profile.landlock:
-            merged["landlock"] = (False, "not requested by the profile")
-        elif "landlock" in worker:
-            merged["landlock"] = (bool(worker["landlock"][0]), str(worker["landlock"][1]))
+        for layer, wanted in (("landlock", self.profile.landlock), ("uid", self.profile.user)):
+            if wanted is None or wanted is False:
+                merged[layer] = (False, "not requested by the profile")
+            elif layer in worker:
+                merged[layer] = (bool(worker[layer][0]), str(worker[layer][1]))
         if "cgroups_joined" in worker and not worker["cgroups_joined"][0]:
             for name in ("cgroup_kill", "cgroup_memory", "cgroup_pids"):
                 if merged.get(name, (False, ""))[0]:

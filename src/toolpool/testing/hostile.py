@@ -16,6 +16,7 @@ import ctypes
 import errno
 import gc
 import os
+import resource
 import signal
 import socket
 import sys
@@ -202,8 +203,9 @@ def reach_network(port: int = 9) -> str:
 
 
 @registry.tool
-def leave_cgroup(marker: str) -> str:
-    """Try to move itself into the root cgroup, then start a daemon and block."""
+def leave_cgroup(marker: str, block: bool = True) -> str:
+    """Try to move itself into the root cgroup, then start a daemon and block (or, with
+    ``block=False``, only report whether the move worked)."""
     outcome = "no cgroup v2"
     with open("/proc/self/mountinfo") as f:
         mounts = f.read().splitlines()
@@ -217,6 +219,8 @@ def leave_cgroup(marker: str) -> str:
             except OSError as exc:
                 outcome = f"blocked ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
             break
+    if not block:
+        return outcome
     _daemonize(marker, 3600)
     time.sleep(3600)
     return outcome
@@ -309,10 +313,12 @@ def _memory(result: Any, layers: set[str]) -> tuple[bool, str, str]:
 
 def _signals(result: Any, layers: set[str]) -> tuple[bool, str, str]:
     value = result.value or {}
-    if "landlock" in layers:
+    pairs = (("uid", "uid"), ("landlock", "landlock (signal scope)"))
+    by = [name for layer, name in pairs if layer in layers]
+    if by:
         ok = result.ok and all(value.get(k) == "blocked" for k in ("reaper", "supervisor"))
         ok = ok and value.get("sibling") in ("blocked", "none")
-        return ok, "all blocked", "landlock (signal scope)"
+        return ok, "all blocked", " + ".join(by)
     return result.ok, "delivered (not contained without Landlock or another uid)", "none"
 
 
@@ -323,8 +329,8 @@ def _network(result: Any, layers: set[str]) -> tuple[bool, str, str]:
 
 
 def _cgroup_escape(result: Any, layers: set[str]) -> tuple[bool, str, str]:
-    by = "landlock" if "landlock" in layers else "subreaper kill loop"
-    return result.outcome is Outcome.KILLED, "killed, tree gone", by
+    by = " + ".join(layer for layer in ("uid", "landlock") if layer in layers)
+    return result.outcome is Outcome.KILLED, "killed, tree gone", by or "subreaper kill loop"
 
 
 def _segfault(result: Any, layers: set[str]) -> tuple[bool, str, str]:
@@ -460,6 +466,25 @@ async def run_kit(pool: Any, *, only: list[str] | None = None) -> list[Verdict]:
 def environment() -> dict[str, str]:
     """The worker's environment (to check the allowlist)."""
     return dict(os.environ)
+
+
+@registry.tool
+def identity() -> dict[str, object]:
+    """Who the tool runs as: uid, gid, supplementary groups, capabilities, no-new-privs."""
+    status: dict[str, str] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            status[key] = value.strip()
+    return {
+        "uid": os.getuid(),
+        "euid": os.geteuid(),
+        "gid": os.getgid(),
+        "groups": os.getgroups(),
+        "cap_eff": status.get("CapEff", ""),
+        "no_new_privs": status.get("NoNewPrivs", ""),
+        "nproc": resource.getrlimit(resource.RLIMIT_NPROC)[0],
+    }
 
 
 @registry.tool
