@@ -1036,7 +1036,7 @@ def _idle_memory(
 TP_WARM_SPARES = 1
 
 
-def tp_pool(workers: int = WORKERS) -> Any:
+def tp_pool(workers: int = WORKERS, **kwargs: Any) -> Any:
     import toolpool
 
     return toolpool.Pool(
@@ -1045,6 +1045,7 @@ def tp_pool(workers: int = WORKERS) -> Any:
         cancel_grace=TP_CANCEL_GRACE,
         term_grace=TP_TERM_GRACE,
         warm_spares=TP_WARM_SPARES,
+        **kwargs,
     )
 
 
@@ -1230,7 +1231,33 @@ async def tp_cold(sz: dict[str, Any]) -> dict[str, Any]:
             }
         )
         sweep()
-    return {"import_s": import_s, "runs": runs, "memory": mem}
+    out = {"import_s": import_s, "runs": runs, "memory": mem}
+    for method in ("fork", "spawn"):
+        out[f"add_worker_{method}"] = {"runs": await _tp_add_worker(sz, method)}
+    return out
+
+
+async def _tp_add_worker(sz: dict[str, Any], method: str) -> list[dict[str, Any]]:
+    """One more worker in a running pool (its template, with "fork", already loaded): from the
+    pool asking the reaper for it to its hello. Uses the pool's private spawn (no public API
+    grows a pool); the extra workers are retired with the pool."""
+    runs = []
+    pool = tp_pool(start_method=method)
+    await pool.start()
+    try:
+        for _ in range(sz["cold_repeats"]):
+            gc.collect()
+            t0 = time.perf_counter()
+            w = pool._spawn()
+            await w.hello_event.wait()
+            runs.append({"add_s": time.perf_counter() - t0})
+        methods = sorted(set(pool.worker_start_methods().values()))
+        if methods != [method]:
+            raise RuntimeError(f"asked for {method} workers, got {methods}")
+    finally:
+        await pool.aclose()
+        sweep()
+    return runs
 
 
 async def tp_scale(sz: dict[str, Any], tmp: str) -> dict[str, Any]:

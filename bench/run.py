@@ -263,9 +263,18 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
             workers = (m.get("memory") or {}).get("workers", [])
             s["worker_uss_mib"] = agg([w["uss_mib"] for w in workers])
             s["worker_rss_mib"] = agg([w["rss_mib"] for w in workers])
+            s["worker_pss_mib"] = agg([w["pss_mib"] for w in workers if "pss_mib" in w])
+            for method in ("fork", "spawn"):
+                add_runs = (m.get(f"add_worker_{method}") or {}).get("runs", [])
+                s[f"add_worker_{method}_ms"] = agg([x["add_s"] * 1e3 for x in add_runs])
             helpers = (m.get("memory") or {}).get("helpers", [])
             s["helpers"] = [
-                {"what": h["what"], "uss_mib": h["uss_mib"], "rss_mib": h["rss_mib"]}
+                {
+                    "what": h["what"],
+                    "uss_mib": h["uss_mib"],
+                    "pss_mib": h.get("pss_mib"),
+                    "rss_mib": h["rss_mib"],
+                }
                 for h in helpers
             ]
         elif part == "stop":
@@ -427,7 +436,18 @@ def targets(peers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             "< 150 ms",
             cold < 150,
         )
-        add("cold start with a pre-started template", "no template in toolpool", "< 20 ms", False)
+    add_fork = _med(tp.get("add_worker_fork_ms"))
+    if add_fork is not None:
+        add_spawn = _med(tp.get("add_worker_spawn_ms"))
+        peer_cold = [
+            f"{PEER_LABEL.get(name, name)} x{add_fork / c:.2f}"
+            for name, v in others.items()
+            if (c := _med(v.get("cold_ms")))
+        ]
+        detail = f"{add_fork:.1f} ms to add one worker (spawn: {add_spawn or float('nan'):.0f} ms)"
+        if peer_cold:
+            detail += "; vs peers' cold start " + ", ".join(peer_cold)
+        add("cold start with a pre-started template", detail, "< 20 ms", add_fork < 20)
     uss = _med(tp.get("worker_uss_mib"))
     if uss is not None:
         add("idle worker USS", f"{uss:.1f} MiB", "< 15 MiB", uss < 15)
@@ -558,8 +578,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         "| peer | no-op calls/s | 10 KiB echo calls/s | 1 MiB echo MiB/s | supervisor CPU us/no-op "
         "| workers' CPU us/no-op | latency p50 us | p99 us | cold start ms | idle worker USS MiB "
-        "| RSS MiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| PSS MiB | RSS MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in order:
         s = peers[p]
@@ -568,7 +588,8 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{fmt(s.get('echo_1m_mib_s'))} | {fmt(s.get('noop_cpu_us'))} | "
             f"{fmt(s.get('noop_workers_cpu_us'))} | {fmt(s.get('p50_us'))} | "
             f"{fmt(s.get('p99_us'))} | {fmt(s.get('cold_ms'))} | "
-            f"{fmt(s.get('worker_uss_mib'), 1)} | {fmt(s.get('worker_rss_mib'), 1)} |"
+            f"{fmt(s.get('worker_uss_mib'), 1)} | {fmt(s.get('worker_pss_mib'), 1)} | "
+            f"{fmt(s.get('worker_rss_mib'), 1)} |"
         )
     lines.append("")
     tp = peers.get("toolpool")
@@ -577,8 +598,9 @@ def markdown(doc: dict[str, Any]) -> str:
             "Ratios toolpool / peer (throughput: above 1 is better; latency, cold start, memory: "
             "below 1 is better):",
             "",
-            "| peer | no-op calls/s | 10 KiB | 1 MiB | p50 | p99 | cold start | worker USS |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| peer | no-op calls/s | 10 KiB | 1 MiB | p50 | p99 | cold start | worker USS "
+            "| worker PSS | add one worker (template) / peer's cold start |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for p in order:
             if p == "toolpool":
@@ -591,7 +613,9 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"{ratio(tp.get('p50_us'), s.get('p50_us'))} | "
                 f"{ratio(tp.get('p99_us'), s.get('p99_us'))} | "
                 f"{ratio(tp.get('cold_ms'), s.get('cold_ms'))} | "
-                f"{ratio(tp.get('worker_uss_mib'), s.get('worker_uss_mib'))} |"
+                f"{ratio(tp.get('worker_uss_mib'), s.get('worker_uss_mib'))} | "
+                f"{ratio(tp.get('worker_pss_mib'), s.get('worker_pss_mib'))} | "
+                f"{ratio(tp.get('add_worker_fork_ms'), s.get('cold_ms'))} |"
             )
         lines.append("")
     fl = peers.get("floor")

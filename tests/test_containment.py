@@ -26,6 +26,13 @@ IS_ROOT = os.geteuid() == 0
 
 WEAKEST = Profile.default().with_limits(disable=frozenset({"cgroups"}))
 PROFILES = {"untrusted": Profile.untrusted(), "weakest": WEAKEST}
+#: The kit runs against workers forked from the reaper's template (the default start method)
+#: under both profiles, and against spawned workers under the untrusted one.
+KIT_SETUPS = {
+    "untrusted": ("untrusted", "fork"),
+    "weakest": ("weakest", "fork"),
+    "untrusted-spawn": ("untrusted", "spawn"),
+}
 
 
 @pytest.fixture
@@ -40,18 +47,25 @@ def _cgroup_dirs(pool: toolpool.Pool) -> list[str]:
 
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("profile_name", sorted(PROFILES))
+@pytest.mark.parametrize("setup", sorted(KIT_SETUPS))
 @pytest.mark.parametrize("threat", THREATS, ids=[t.name for t in THREATS])
-async def test_kit_entry(threat: Any, profile_name: str) -> None:
+async def test_kit_entry(threat: Any, setup: str) -> None:
+    profile_name, start_method = KIT_SETUPS[setup]
     profile = PROFILES[profile_name]
     me = psutil.Process()
     rss_before = me.memory_info().rss
     async with toolpool.Pool(
-        HOSTILE, workers=2, cancel_grace=0.3, term_grace=0.3, profile=profile
+        HOSTILE,
+        workers=2,
+        cancel_grace=0.3,
+        term_grace=0.3,
+        profile=profile,
+        start_method=start_method,  # type: ignore[arg-type]
     ) as pool:
+        assert set(pool.worker_start_methods().values()) == {start_method}
         pool_dir = pool._dir
         cgroup_dirs = _cgroup_dirs(pool)
-        marker = f"toolpool-test-{os.getpid()}-{threat.tool}-{profile_name}"
+        marker = f"toolpool-test-{os.getpid()}-{threat.tool}-{setup}"
         verdict = await run_threat(pool, threat, marker)
         assert verdict.passed, verdict
         assert verdict.leftovers == []

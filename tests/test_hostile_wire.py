@@ -348,8 +348,9 @@ def supervisor(tmp_path: Path) -> Iterator[Callable[[str], Supervisor]]:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_supervisor_sigkill_leaves_no_process_behind(
-    supervisor: Callable[[str], Supervisor], make_marker: Callable[[], str]
+    supervisor: Callable[[str], Supervisor], make_marker: Callable[[], str], start_method: str
 ) -> None:
     marker = make_marker()
     sup = supervisor(
@@ -357,7 +358,9 @@ def test_supervisor_sigkill_leaves_no_process_behind(
         async def main():
             # allow_background: the first daemon must outlive its call (by default the pool
             # kills what a call leaves behind), so the supervisor's death must be what kills it.
-            async with toolpool.Pool({EXAMPLES!r}, workers=2, allow_background=True) as pool:
+            async with toolpool.Pool(
+                {EXAMPLES!r}, workers=2, allow_background=True, start_method={start_method!r}
+            ) as pool:
                 daemon = await pool.call("spawn_daemon", {{"marker": {marker!r}, "seconds": 600}})
                 assert daemon.ok, daemon
                 blocker = pool.submit(
@@ -365,6 +368,7 @@ def test_supervisor_sigkill_leaves_no_process_behind(
                 )
                 emit(
                     workers=pool.worker_pids(),
+                    methods=sorted(pool.worker_start_methods().values()),
                     reaper=pool.reaper_pid,
                     daemon=daemon.value,
                     blocker=blocker.id,
@@ -377,6 +381,7 @@ def test_supervisor_sigkill_leaves_no_process_behind(
     (reaper,) = sup.track(info["reaper"])
     (daemon,) = sup.track(info["daemon"])
     assert len(workers) == 2
+    assert info["methods"] == [start_method] * 2
     assert reaper.pid not in info["workers"]
     # Every worker is a child of the reaper, which is a child of the supervisor.
     assert reaper.ppid() == sup.proc.pid
@@ -430,6 +435,7 @@ def test_supervisor_sigkill_while_hostile_tools_run(
                 cgroups = sorted(set(pool._cgroups.base.values())) if pool._cgroups else []
                 emit(
                     workers=pool.worker_pids(),
+                    methods=sorted(pool.worker_start_methods().values()),
                     reaper=pool.reaper_pid,
                     pool_dir=pool._dir,
                     cgroups=cgroups,

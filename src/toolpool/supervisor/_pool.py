@@ -97,6 +97,7 @@ KILLED_TEXT: Final = "Error: tool call killed"
 TIMEOUT_TEXT: Final = "Error: tool call timed out"
 
 WorkerOutput = Literal["discard", "inherit"]
+StartMethod = Literal["fork", "spawn"]
 #: The worker's exit status after it sent 'fatal' (see worker/_main.py).
 EXIT_TOOLS_FAILED: Final = 71
 
@@ -321,6 +322,7 @@ class _Worker:
         "secret",
         "sock",
         "start_failed",
+        "start_method",
         "state",
         "violation",
         "wid",
@@ -333,6 +335,7 @@ class _Worker:
         self.secret = secret
         self.state = WorkerState.SPAWNING
         self.pid: int | None = None
+        self.start_method = "spawn"  # how the reaper started it: "spawn" or "fork"
         self.call: Call | None = None
         self.last_call_id: int | None = None
         self.catalog: dict[str, dict[str, Any]] = {}
@@ -384,6 +387,7 @@ class Pool:
         allow_background: bool = False,
         capture_output: int | str | None = None,
         warm_spares: int = 0,
+        start_method: StartMethod = "fork",
     ) -> None:
         """
         :param tools: ``"module:attribute"`` naming the Registry.
@@ -406,6 +410,10 @@ class Pool:
         :param warm_spares: extra worker processes kept started and idle: at most ``workers``
             calls run at once, and when a worker is killed or lost a spare serves the next call
             at once (no interpreter start-up on that path) while a new spare starts.
+        :param start_method: ``"fork"`` (default): the reaper imports the worker's modules
+            once and forks each worker from itself, which then sets itself up exactly like a
+            spawned one; ``"spawn"``: each worker is a new ``python -m toolpool.worker``.
+            Where forking is not possible the reaper spawns (see ``docs/pool.md``).
         """
         if not isinstance(tools, str) or ":" not in tools:
             raise ConfigurationError(f"tools must be 'module:attribute', got {tools!r}")
@@ -444,6 +452,9 @@ class Pool:
         if isinstance(warm_spares, bool) or not isinstance(warm_spares, int) or warm_spares < 0:
             raise ValueError(f"warm_spares must be a non-negative integer, got {warm_spares!r}")
         self.warm_spares = warm_spares
+        if start_method not in ("fork", "spawn"):
+            raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
+        self.start_method: StartMethod = start_method
         self.capture_output = parse_size(capture_output)
         if self.capture_output is not None and self.capture_output > max_frame // 2:
             raise ValueError("capture_output must be at most half of max_frame")
@@ -468,6 +479,7 @@ class Pool:
         self._deadline_wake: anyio.Event | None = None
         self._start_failures = 0
         self._broken: WorkerStartError | None = None
+        self._fork_warned = False
         self._closed_event: anyio.Event | None = None
         self._workers_changed: anyio.Event | None = None
         # statistics
@@ -511,6 +523,9 @@ class Pool:
             self._ctx = zmq.Context(io_threads=1)
             self._reaper = ReaperClient(self._on_reaper_event)
             await self._reaper.start(self.start_timeout)
+            if self.start_method == "fork":  # the reaper imports while we set up containment
+                paths = self._worker_env(None)["PYTHONPATH"].split(os.pathsep)
+                self._reaper.preload(paths)
             self._setup_containment()
             self._tg.start_soon(self._reaper.run)
             self._tg.start_soon(self._deadline_clock)
@@ -752,6 +767,15 @@ class Pool:
     def worker_pids(self) -> list[int]:
         """Pids of the worker processes that are alive now."""
         return [w.pid for w in self._workers.values() if w.pid is not None and not w.gone]
+
+    def worker_start_methods(self) -> dict[int, str]:
+        """How each live worker was started, by pid: ``"fork"`` (from the reaper's template)
+        or ``"spawn"`` (a new interpreter)."""
+        return {
+            w.pid: w.start_method
+            for w in self._workers.values()
+            if w.pid is not None and not w.gone
+        }
 
     async def wait_idle(self) -> None:
         """Wait until no call is queued or running."""
@@ -1122,6 +1146,7 @@ class Pool:
             cwd=scratch,
             cgroup=kill_dir,
             cleanup=cleanup,
+            start=self.start_method,
         )
         self._started_count += 1
         self._tg.start_soon(self._serve_worker, w)
@@ -1375,14 +1400,21 @@ class Pool:
                 _log.error("the pool's reaper process went away")
                 self._broken = WorkerStartError("the pool's reaper process went away")
                 self._fail_queue()
-                if self._tg is not None:
-                    self._tg.start_soon(self._settle_orphaned_workers)
+            # Also while closing: the teardown waits for every worker to be gone, and only
+            # this can tell it now (they die with the reaper: PDEATHSIG).
+            if self._tg is not None and self._state != "closed":
+                self._tg.start_soon(self._settle_orphaned_workers)
             return
         w = self._workers.get(int(event.get("wid", 0)))
         if w is None:
             return
         if kind == "spawned":
             w.pid = int(event["pid"])
+            w.start_method = str(event.get("method", "spawn"))
+        elif kind == "fork_unavailable":
+            if not self._fork_warned:
+                self._fork_warned = True
+                _log.warning("workers are spawned, not forked: %s", event.get("reason"))
         elif kind == "spawn_failed":
             w.fatal = str(event.get("error"))
             self._start_failure(w, w.fatal)

@@ -125,14 +125,18 @@ class ReaperClient:
         cwd: str | None = None,
         cgroup: str | None = None,
         cleanup: list[str] | None = None,
+        start: str = "spawn",
     ) -> None:
         """Ask for a worker process; answered by ``spawned`` or ``spawn_failed``.
 
         ``cgroup`` is the worker's v2 cgroup (``cgroup.kill`` is its kill barrier);
-        ``cleanup`` lists directories to remove once its tree is gone.
+        ``cleanup`` lists directories to remove once its tree is gone. ``start="fork"`` forks
+        the worker from the reaper's template when it can (``fork_unavailable`` says why not,
+        and the worker is spawned instead).
         """
         self.send(
             op="spawn",
+            start=start,
             wid=wid,
             argv=argv,
             env=env,
@@ -142,6 +146,11 @@ class ReaperClient:
             cgroup=cgroup,
             cleanup=cleanup or [],
         )
+
+    def preload(self, paths: list[str]) -> None:
+        """Have the reaper import the worker's modules now (the template workers are forked
+        from), from ``paths`` (the workers' ``PYTHONPATH``); answered by ``preloaded``."""
+        self.send(op="preload", paths=paths)
 
     def signal_tree(self, wid: int, sig: int) -> None:
         """Send ``sig`` to the worker and every descendant."""

@@ -5,7 +5,10 @@ starts fast and never imports toolpool or any tool. It is a child subreaper: eve
 its child, and whatever a dead worker leaves behind (children, setsid'd daemons) is re-parented
 to it instead of to PID 1. It
 
-* spawns workers on request and reports their pid, exit status, and when their tree is gone;
+* spawns workers on request and reports their pid, exit status, and when their tree is gone:
+  either ``python -m toolpool.worker`` (fork and exec, like ``subprocess``), or, with
+  ``start_method="fork"``, by forking itself once it has imported the worker's modules (the
+  pre-forked template: see ``Template`` below and ``toolpool/worker/_template.py``);
 * kills trees on request: SIGTERM to the tree, or SIGSTOP the worker then SIGKILL every
   descendant until none is left, then SIGKILL the worker;
 * kills and reaps every orphan at once (an orphan is any child that is not a live worker:
@@ -18,6 +21,8 @@ Messages are JSON objects, one per SOCK_SEQPACKET datagram. See docs/pool.md and
 
 from __future__ import annotations
 
+import ctypes
+import importlib
 import importlib.util
 import json
 import os
@@ -28,7 +33,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import psutil
 
@@ -48,6 +53,57 @@ def _load(name: str) -> Any:
 cgroups = _load("_cgroups")
 linux = _load("_linux")
 
+#: The worker's exit status when its set-up failed (``toolpool.worker._main.EXIT_SETUP_FAILED``).
+EXIT_SETUP_FAILED = 70
+#: Signals the reaper handles itself: blocked around fork, reset in the child.
+_HANDLED = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
+
+
+class Template:
+    """The worker's modules, imported into the reaper once, so that workers can be forked.
+
+    Imported lazily (on the pool's ``preload`` or first forked spawn) from the path the workers
+    get (the supervisor's ``sys.path``), and only if they are the toolpool this reaper belongs
+    to. Importing them starts no thread; every fork checks the reaper is still single-threaded.
+    """
+
+    def __init__(self) -> None:
+        self.module: Any = None
+        self.error: str | None = None
+        self.base_path = list(sys.path)  # the interpreter's own path (no script dir: -P)
+
+    def load(self, paths: list[str]) -> None:
+        if self.module is not None or self.error is not None:
+            return
+        saved = list(sys.path)
+        sys.path[:0] = [p for p in paths if p]
+        try:
+            module = importlib.import_module("toolpool.worker._template")
+            module.preload()
+            ours = Path(__file__).resolve().parent.parent
+            theirs = Path(sys.modules["toolpool"].__file__ or "").resolve().parent
+            if ours != theirs:
+                raise ImportError(f"the workers would import toolpool from {theirs}, not {ours}")
+            self.module = module
+        except Exception as exc:  # a template that cannot load: spawn instead, and say why
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            sys.path[:] = saved
+
+    def unusable(self, msg: dict[str, Any]) -> str | None:
+        """Why the worker ``msg`` asks for cannot be forked (None: it can)."""
+        argv = msg.get("argv") or []
+        if argv[:3] != [sys.executable, "-m", "toolpool.worker"]:
+            return "not a toolpool worker of this interpreter"
+        env = msg.get("env") or {}
+        self.load(str(env.get("PYTHONPATH", "")).split(os.pathsep))
+        if self.module is None:
+            return f"the template did not load ({self.error})"
+        threads = len(os.listdir("/proc/self/task"))
+        if threads != 1:  # never fork a process with threads (and say so)
+            return f"the reaper has {threads} threads"
+        return None
+
 
 class Reaper:
     def __init__(self, supervisor_pid: int, sock: socket.socket) -> None:
@@ -60,6 +116,7 @@ class Reaper:
         self.stuck: set[int] = set()  # wids whose cgroup would not empty yet
         self.owned: list[str] = []  # the pool's directories, removed when the reaper exits
         self.closing = False
+        self.template = Template()
 
     # ---- messages
 
@@ -79,6 +136,9 @@ class Reaper:
             self.kill_worker(int(msg["wid"]))
         elif op == "clean":
             self.clean(int(msg["wid"]))
+        elif op == "preload":
+            self.template.load([str(p) for p in msg.get("paths", [])])
+            self.send(ev="preloaded", error=self.template.error)
         elif op == "own":
             self.owned.extend(str(p) for p in msg.get("paths", []))
         elif op == "exit":
@@ -88,6 +148,12 @@ class Reaper:
 
     def spawn(self, msg: dict[str, Any]) -> None:
         wid = int(msg["wid"])
+        if msg.get("start") == "fork":
+            why = self.template.unusable(msg)
+            if why is None:
+                self.fork(msg)
+                return
+            self.send(ev="fork_unavailable", wid=wid, reason=why)
         output = None if msg.get("output") == "inherit" else subprocess.DEVNULL
         try:
             proc = subprocess.Popen(
@@ -115,7 +181,65 @@ class Reaper:
             pass  # it died at once; the exit is reported as usual
         # Popen's own bookkeeping must not reap behind our back: we reap with waitpid(-1).
         proc.returncode = 0
-        self.send(ev="spawned", wid=wid, pid=proc.pid)
+        self.send(ev="spawned", wid=wid, pid=proc.pid, method="spawn")
+
+    def fork(self, msg: dict[str, Any]) -> None:
+        """Start the worker ``msg`` asks for as a fork of this process (the template)."""
+        wid = int(msg["wid"])
+        stdin_r, stdin_w = os.pipe()
+        try:
+            os.write(stdin_w, msg["stdin"].encode())  # a line, far below the pipe's buffer
+        finally:
+            os.close(stdin_w)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # nothing buffered may be written twice
+        # Blocked until the child has reset the handlers: a signal meanwhile must not run the
+        # reaper's handlers in the child (nor be lost).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED)
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            os.close(stdin_r)
+            self.send(ev="spawn_failed", wid=wid, error=f"{type(exc).__name__}: {exc}")
+            return
+        if pid == 0:
+            self._become_worker(msg, stdin_r)  # never returns
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.close(stdin_r)
+        self.workers[pid] = wid
+        if msg.get("cgroup"):
+            self.kill_dirs[wid] = msg["cgroup"]
+        self.cleanup[wid] = list(msg.get("cleanup") or [])
+        self.send(ev="spawned", wid=wid, pid=pid, method="fork")
+
+    def _become_worker(self, msg: dict[str, Any], stdin_r: int) -> NoReturn:
+        """In the forked child: reset what ``subprocess`` would (file descriptors, signals,
+        session, working directory), then run the worker; never return into the reaper."""
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            # SIGINT stays ignored: a spawned worker inherits that through exec, and Python
+            # keeps an ignored SIGINT at start-up (so ^C never reaches a worker either way).
+            self.sock.detach()  # closed below with every other inherited descriptor
+            os.dup2(stdin_r, 0)
+            if msg.get("output") != "inherit":
+                null = os.open(os.devnull, os.O_RDWR)
+                os.dup2(null, 1)
+                os.dup2(null, 2)
+            os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+            os.setsid()
+            if msg.get("cwd"):
+                os.chdir(msg["cwd"])
+            set_cmdline(["python -m toolpool.worker", "--parent-pid", str(os.getppid())])
+            signal.pthread_sigmask(signal.SIG_SETMASK, set())
+            env = msg.get("env")
+            self.template.module.run(
+                msg["argv"][3:], dict(os.environ) if env is None else env, self.template.base_path
+            )
+        finally:
+            os._exit(EXIT_SETUP_FAILED)
 
     # ---- killing
 
@@ -361,6 +485,29 @@ def kill_tree(pid: int, kill_dir: str | None = None) -> int:
         rounds += 1
     _kill(pid, signal.SIGKILL)
     return rounds
+
+
+def set_cmdline(args: list[str]) -> None:
+    """Show ``args`` as this process's command line (``/proc/PID/cmdline``, ``ps``).
+
+    A forked worker would otherwise show the reaper's. Overwrites the original argument strings
+    in place (they are only as long as the reaper's own command line), so the first argument is
+    shortened or padded with spaces to make the others fit exactly.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48, 49)
+    except (OSError, ValueError, IndexError):
+        return
+    size = end - start
+    tail = b"".join(a.encode() + b"\0" for a in args[1:])
+    room = size - len(tail) - 1
+    if room < 1:
+        return
+    data = args[0].encode()[:room].ljust(room) + b"\0" + tail
+    ctypes.memmove(start, data, size)
 
 
 def main() -> None:

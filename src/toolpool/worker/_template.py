@@ -1,0 +1,124 @@
+"""The worker's side of the pre-forked template (``Pool(start_method="fork")``).
+
+The pool's reaper (``supervisor/_reaper_main.py``) imports this module once, which imports what
+every worker needs before it can serve (toolpool's worker, anyio and its asyncio backend,
+msgpack, the zmq *module*), and then forks each new worker from itself: the reaper stays the
+parent of every worker. Nothing here creates a zmq context, starts a thread or imports the
+user's tools module: the forked child runs the unchanged worker :func:`~._main.main`, whose
+set-up (cgroups, rlimits, namespaces, Landlock, PDEATHSIG, parent check, subreaper, secret)
+comes first, single-threaded, exactly as in a worker started with ``python -m toolpool.worker``.
+
+The reaper resets what belongs to the process (file descriptors, signal handlers and mask,
+session, working directory, stdin/stdout/stderr) before calling :func:`run`; :func:`run` resets
+what belongs to the interpreter (environment, ``sys.path``, ``sys.argv``, ``__main__``) and
+never returns. See docs/pool.md, "Starting workers".
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import runpy
+import sys
+import threading
+import traceback
+import types
+from collections.abc import Mapping, Sequence
+from typing import NoReturn
+
+#: What a worker imports before it serves a call, other than the tools module.
+PRELOAD = (
+    "toolpool",
+    "toolpool.worker._main",
+    "toolpool.worker._registry",
+    "toolpool.worker._capture",
+    "toolpool._transport",
+    "anyio._backends._asyncio",
+    "msgpack",
+    "zmq",
+)
+
+#: The argv prefix of a worker started by ``python -m``; what follows it is the worker's own.
+WORKER_MODULE = "toolpool.worker"
+
+
+def preload() -> None:
+    """Import what every worker needs (no thread is started, no zmq context created)."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+
+
+def worker_path(cwd: str, env: Mapping[str, str], base: Sequence[str]) -> list[str]:
+    """The ``sys.path`` of ``python -m toolpool.worker`` started in ``cwd`` with ``env``.
+
+    ``base`` is the interpreter's own path (the standard library, site-packages and what
+    their ``.pth`` files add). Duplicates are dropped, as ``site`` does.
+    """
+    paths = [cwd]
+    paths.extend(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
+    paths.extend(base)
+    seen: set[str] = set()
+    out: list[str] = []
+    for p in paths:
+        key = os.path.normcase(os.path.abspath(p))
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+def run(argv: Sequence[str], env: Mapping[str, str], base_path: Sequence[str]) -> NoReturn:
+    """Become the worker ``python -m toolpool.worker ARGV``; exit the process when it ends.
+
+    Called in the freshly forked child, once the process-level state is reset.
+    """
+    code: int = 1
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:] = worker_path(os.getcwd(), env, base_path)
+        importlib.invalidate_caches()
+        tempfile = sys.modules.get("tempfile")
+        if tempfile is not None:  # its cached directory came from the reaper's environment
+            tempfile.tempdir = None  # type: ignore[attr-defined]
+        sys.modules["__main__"] = types.ModuleType("__main__")  # not the reaper's script
+        for name in [n for n in sys.modules if n.startswith("_toolpool_")]:
+            del sys.modules[name]  # the reaper's helpers, loaded by path
+        sys.argv = [WORKER_MODULE, *argv]
+        try:
+            # What ``python -m toolpool.worker`` does (sys.argv[0] becomes the file's path).
+            runpy.run_module(WORKER_MODULE, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            code = _exit_code(exc.code)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        # What the interpreter does at exit: wait for non-daemon threads, run atexit.
+        getattr(threading, "_shutdown", lambda: None)()
+        atexit._run_exitfuncs()
+    except BaseException:
+        try:
+            traceback.print_exc()
+        except BaseException:
+            pass
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        os._exit(code)
+
+
+def _exit_code(value: object) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    try:
+        print(value, file=sys.stderr)
+    except BaseException:
+        pass
+    return 1
