@@ -218,6 +218,21 @@ def test_profiles_validate_their_fields() -> None:
     assert Profile.from_wire(profile.to_wire()) == profile
 
 
+@pytest.mark.anyio
+@pytest.mark.skipif(not IS_ROOT, reason="cgroups need root here")
+async def test_an_oom_kill_is_reported_as_such_and_the_pool_serves_on() -> None:
+    profile = Profile.default().with_limits(memory="128MiB")
+    async with toolpool.Pool(HOSTILE, workers=1, profile=profile) as pool:
+        hog = await pool.call("allocate", {"mib": 400})
+        assert hog.outcome is toolpool.Outcome.WORKER_LOST
+        assert hog.error is not None
+        assert "out of memory" in hog.error
+        assert "128 MiB" in hog.error
+        after = await pool.call("allocate", {"mib": 10})
+        assert after.value == 10
+        assert after.worker_pid != hog.worker_pid
+
+
 # ----------------------------------------------------------------------------- another uid
 
 PER_WORKER_UID = Profile.default().with_limits(user="per-worker")

@@ -10,9 +10,18 @@ import errno
 import os
 import select
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ("CgroupSet", "WorkerCgroups", "cgroup_kill", "populated", "remove", "wait_empty")
+__all__ = (
+    "CgroupSet",
+    "WorkerCgroups",
+    "cgroup_kill",
+    "oom_kills",
+    "populated",
+    "remove",
+    "wait_empty",
+)
 
 
 def _mounts() -> dict[str, str]:
@@ -231,3 +240,19 @@ def remove(path: str, attempts: int = 50) -> bool:
                 return False
             time.sleep(0.002)
     return False
+
+
+def oom_kills(dirs: Iterable[str]) -> int:
+    """OOM kills recorded in the memory cgroup among ``dirs`` (v2 ``memory.events``, v1
+    ``memory.oom_control``): 0 where there is none."""
+    for directory in dirs:
+        for name in ("memory.events", "memory.oom_control"):
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    for line in f:
+                        key, _, value = line.partition(" ")
+                        if key == "oom_kill":
+                            return int(value)
+            except (OSError, ValueError):
+                continue
+    return 0

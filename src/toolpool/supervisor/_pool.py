@@ -315,6 +315,7 @@ class _Worker:
         "gone_event",
         "hello_event",
         "last_call_id",
+        "oom_kills",
         "peak_file",
         "pending",
         "pid",
@@ -351,6 +352,7 @@ class _Worker:
         self.escalated = False
         self.awaiting_fatal = False
         self.peak_file: str | None = None
+        self.oom_kills = 0  # OOM kills in its memory cgroup, as the reaper read them at exit
         self.pending: Callable[..., None] | None = None
 
     def __repr__(self) -> str:
@@ -1110,9 +1112,11 @@ class Pool:
             procs = wc.procs_files
             kill_dir = wc.kill_dir
             cleanup.extend(sorted(set(wc.dirs.values())))
-            peak = os.path.join(wc.dirs.get("memory", "/nonexistent"), "memory.max_usage_in_bytes")
+            memory_dir = wc.dirs.get("memory", "/nonexistent")
+            peak = os.path.join(memory_dir, "memory.max_usage_in_bytes")
             if os.path.exists(peak):
                 w.peak_file = peak
+
         scratch: str | None = None
         if profile.scratch_dir:
             scratch = os.path.join(self._dir, f"scratch-w{wid}")
@@ -1421,6 +1425,7 @@ class Pool:
             self._worker_gone(w)
         elif kind == "exited":
             w.exit_status = int(event["status"])
+            w.oom_kills = int(event.get("oom_kills", 0))
             if w.state is WorkerState.SPAWNING and not w.start_failed:
                 self._drain(w)  # its 'fatal' may already be here
             if w.state is WorkerState.SPAWNING and not w.start_failed:
@@ -1483,7 +1488,9 @@ class Pool:
                     exit_status=w.exit_status,
                 )
             else:
-                reason = w.violation or _describe_exit(w.exit_status, w.disconnected)
+                reason = w.violation or _describe_exit(
+                    w.exit_status, w.disconnected, w.oom_kills, self.profile.memory
+                )
                 self._settle(
                     call,
                     Outcome.WORKER_LOST,
@@ -1525,7 +1532,15 @@ class Pool:
         return f"<toolpool.Pool {self.tools_spec!r} workers={self.size} {self._state}>"
 
 
-def _describe_exit(status: int | None, disconnected: bool = False) -> str:
+def _describe_exit(
+    status: int | None, disconnected: bool = False, oom_kills: int = 0, cap: int | None = None
+) -> str:
+    if oom_kills and status == -signal.SIGKILL:
+        limit = f" of {_human_size(cap)}" if cap is not None else ""
+        return (
+            f"the worker was killed by SIGKILL: out of memory (its tree reached the memory "
+            f"cap{limit}; {oom_kills} OOM kill(s) in its cgroup)"
+        )
     if disconnected and status == -signal.SIGKILL:
         return "its connection dropped (an oversized frame?) and it was killed"
     if status is None:

@@ -290,7 +290,10 @@ class Reaper:
             wid = self.workers.pop(pid, None)
             if wid is not None:
                 code = os.waitstatus_to_exitcode(status)
-                self.send(ev="exited", wid=wid, pid=pid, status=code)
+                # Read now: the cgroup is removed once the tree is gone, maybe before the
+                # supervisor handles this event.
+                ooms = cgroups.oom_kills(self.cleanup.get(wid, ())) if code == -9 else 0
+                self.send(ev="exited", wid=wid, pid=pid, status=code, oom_kills=ooms)
                 self.pending_gone.append(wid)
         if self.pending_gone or self.closing:
             self.kill_orphans()

@@ -303,6 +303,7 @@ def _fork_bomb(result: Any, layers: set[str]) -> tuple[bool, str, str]:
 def _memory(result: Any, layers: set[str]) -> tuple[bool, str, str]:
     if "cgroup_memory" in layers:
         ok = result.outcome is Outcome.WORKER_LOST and result.exit_signal == signal.SIGKILL
+        ok = ok and "out of memory" in (result.error or "")
         return ok, "worker_lost (OOM-killed)", "cgroup_memory"
     return (
         result.outcome is Outcome.KILLED,
