@@ -200,3 +200,30 @@ def list_directory(path: str) -> list[str] | str:
         return sorted(os.listdir(path))
     except OSError as exc:
         return errno.errorcode.get(exc.errno or 0, str(exc))
+
+
+@registry.tool
+def find_in_memory(pattern: str) -> dict[str, int]:
+    """Look for ``pattern`` (a bytes regex, given as text) in this worker's initial environment
+    block (/proc/self/environ) and in all of its readable memory: match counts."""
+    import ctypes
+    import re
+
+    ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: a uid change cleared it
+    regex = re.compile(pattern.encode())
+    with open("/proc/self/environ", "rb") as f:
+        in_environ = len(regex.findall(f.read()))
+    in_memory = 0
+    with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", buffering=0) as mem:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            name = fields[5] if len(fields) > 5 else ""
+            if not fields[1].startswith("r") or name in ("[vvar]", "[vsyscall]", "[vvar_vclock]"):
+                continue
+            try:
+                mem.seek(start)
+                in_memory += len(regex.findall(mem.read(end - start)))
+            except OSError:
+                continue
+    return {"environ": in_environ, "memory": in_memory}

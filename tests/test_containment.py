@@ -336,6 +336,45 @@ async def test_directories_the_new_uid_cannot_search_are_hidden_but_for_the_inte
         assert (await pool.call("echo", {"value": "imports still work"})).ok
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+async def test_nothing_of_the_supervisors_environment_reaches_an_untrusted_worker(
+    start_method: str,
+) -> None:
+    """Not through os.environ, nor the initial environment block (/proc/self/environ) nor
+    anywhere in the worker's memory: a forked worker's memory starts as the reaper's."""
+    value = os.urandom(16).hex()
+    os.environ["TOOLPOOL_TEST_SUPERVISOR_ONLY"] = value
+    try:
+        async with toolpool.Pool(
+            PROBES, workers=1, profile="untrusted", start_method=start_method
+        ) as pool:
+            assert set(pool.worker_start_methods().values()) == {start_method}
+            found = await pool.call(
+                "find_in_memory", {"pattern": "TOOLPOOL_TEST_SUPERVISOR_ONLY=[0-9a-f]{32}"}
+            )
+    finally:
+        del os.environ["TOOLPOOL_TEST_SUPERVISOR_ONLY"]
+    assert found.ok, found
+    assert found.value == {"environ": 0, "memory": 0}
+
+
+@pytest.mark.anyio
+async def test_the_memory_probe_finds_what_is_there() -> None:
+    """The probe above can fail: with the default profile the variable is inherited."""
+    value = os.urandom(16).hex()
+    os.environ["TOOLPOOL_TEST_SUPERVISOR_ONLY"] = value
+    try:
+        async with toolpool.Pool(PROBES, workers=1, start_method="spawn") as pool:
+            found = await pool.call(
+                "find_in_memory", {"pattern": "TOOLPOOL_TEST_SUPERVISOR_ONLY=[0-9a-f]{32}"}
+            )
+    finally:
+        del os.environ["TOOLPOOL_TEST_SUPERVISOR_ONLY"]
+    assert found.value["environ"] == 1
+    assert found.value["memory"] >= 1
+
+
 def test_a_uid_change_without_root_is_reported_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from toolpool.sandbox._apply import apply_profile
 

@@ -98,7 +98,12 @@ def make_marker() -> Iterator[Callable[[], str]]:
 
     yield make
     for marker in markers:
-        kill_all(marked(marker))
+        for _ in range(50):  # a fork bomb can still be forking: until none is left
+            survivors = marked(marker)
+            if not survivors:
+                break
+            kill_all(survivors)
+            psutil.wait_procs(survivors, timeout=0.2)
 
 
 # --------------------------------------------------------------------------- violations
@@ -325,12 +330,16 @@ class Supervisor:
         return procs
 
     def close(self) -> None:
-        """End the supervisor and anything of its pool that is still around."""
+        """End the supervisor and anything of its pool that is still around.
+
+        The reaper kills every tree once the supervisor is gone: give it the chance before
+        killing what is known (killing the reaper first would orphan the workers' children)."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+        psutil.wait_procs([p for p in self.known if not gone(p)], timeout=10)
         kill_all([proc for proc in self.known if not gone(proc)])
 
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import anyio
 
@@ -24,6 +24,17 @@ __all__ = ("ReaperClient",)
 _SCRIPT = Path(__file__).with_name("_reaper_main.py")
 
 Event = dict[str, Any]
+
+
+#: What the reaper keeps of the supervisor's environment. Workers forked from it inherit its
+#: initial environment block (``/proc/self/environ``, the stack), whatever ``os.environ`` they
+#: are given: nothing else of the supervisor's environment may be in it.
+REAPER_ENV: Final = ("PATH", "PYTHONPATH", "PYTHONHOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
+
+
+def reaper_env() -> dict[str, str]:
+    """The reaper's environment: :data:`REAPER_ENV` from the supervisor's, no more."""
+    return {name: os.environ[name] for name in REAPER_ENV if name in os.environ}
 
 
 class ReaperClient:
@@ -48,6 +59,7 @@ class ReaperClient:
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env=reaper_env(),
             )
         finally:
             theirs.close()

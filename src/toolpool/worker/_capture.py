@@ -25,6 +25,11 @@ class OutputCapture:
         for fd in (1, 2):
             os.dup2(write_fd, fd)
         os.set_inheritable(write_fd, False)
+        # Whole lines as they are printed, so the order with the children's output is kept.
+        for stream in (sys.stdout, sys.stderr):
+            reconfigure = getattr(stream, "reconfigure", None)
+            if reconfigure is not None:
+                reconfigure(line_buffering=True)
         self._marker_fd = write_fd  # private: a tool may close or reuse fds 1 and 2
         self._read_fd = read_fd
         self._lock = threading.Lock()

@@ -77,6 +77,11 @@ def run(argv: Sequence[str], env: Mapping[str, str], base_path: Sequence[str]) -
     try:
         os.environ.clear()
         os.environ.update(env)
+        if env.get("PYTHONUNBUFFERED"):  # as a fresh interpreter would read it
+            for stream in (sys.stdout, sys.stderr):
+                reconfigure = getattr(stream, "reconfigure", None)
+                if reconfigure is not None:
+                    reconfigure(write_through=True)
         sys.path[:] = worker_path(os.getcwd(), env, base_path)
         importlib.invalidate_caches()
         tempfile = sys.modules.get("tempfile")
