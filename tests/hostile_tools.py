@@ -151,15 +151,17 @@ def pid() -> int:
 async def poke_neighbours(send: bool = False, hold: float = 0.5) -> int:
     """Connect a PAIR socket to every other worker endpoint in the pool's directory."""
     endpoint = sys.argv[sys.argv.index("--endpoint") + 1]
-    directory, own = os.path.split(endpoint.removeprefix("ipc://"))
+    own = endpoint.removeprefix("ipc://")
+    pool_dir = os.path.dirname(os.path.dirname(own))  # <pool dir>/w<N>/sock
     ctx = zmq.Context()
     socks = []
     try:
-        for name in sorted(os.listdir(directory)):
-            if name != own and name.endswith(".sock"):
+        for name in sorted(os.listdir(pool_dir)):
+            path = os.path.join(pool_dir, name, "sock")
+            if path != own and os.path.exists(path):
                 sock = ctx.socket(zmq.PAIR)
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(f"ipc://{directory}/{name}")
+                sock.connect(f"ipc://{path}")
                 if send:
                     sock.send(b"\xc1", zmq.NOBLOCK)
                 socks.append(sock)

@@ -9,7 +9,9 @@ anywhere on the machine, and leave a pool that still serves calls.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -309,8 +311,13 @@ async def test_a_worker_cannot_reach_another_workers_socket_or_files() -> None:
         assert probe.value == {p: "EACCES" for p in endpoints if p != str(probe.worker_pid)}
         own = endpoints[str(probe.worker_pid)]
         assert os.stat(own).st_mode & 0o777 == 0o600
-        listing = await pool.call("list_directory", {"path": os.path.dirname(own)})
-        assert listing.value == "EACCES"
+        assert os.stat(os.path.dirname(own)).st_mode & 0o777 == 0o700
+        assert os.stat(os.path.dirname(own)).st_uid == 2_000_000_000 + probe.worker_pid
+        for other in (p for p in endpoints if p != str(probe.worker_pid)):
+            listing = await pool.call("list_directory", {"path": os.path.dirname(endpoints[other])})
+            assert listing.value == "EACCES" or listing.worker_pid == int(other)
+        listing = await pool.call("list_directory", {"path": os.path.dirname(os.path.dirname(own))})
+        assert listing.value == "EACCES"  # the pool's directory: 0711, not listable
 
 
 @pytest.mark.anyio
@@ -375,6 +382,74 @@ async def test_the_memory_probe_finds_what_is_there() -> None:
     assert found.value["memory"] >= 1
 
 
+@pytest.mark.anyio
+@needs_root
+async def test_only_what_the_worker_imports_is_uncovered(tmp_path: Path) -> None:
+    """A directory the new uid may not search is covered; only the sys.path entry that
+    provides the tools module is put back (read-only), not its siblings."""
+    private = tmp_path / "private"  # 0700, like /root
+    (private / "tools").mkdir(parents=True)
+    (private / "other").mkdir()
+    (private / "other" / "settings.env").write_text("DB_PASSWORD=hunter2\n")
+    (private / "tools" / "probe_registry_mod.py").write_text("from hostile_tools import registry\n")
+    for path in (tmp_path, private / "tools", private / "other"):
+        path.chmod(0o755)
+    private.chmod(0o700)
+    sys.path[:0] = [str(private / "tools"), str(private / "other")]
+    try:
+        profile = Profile.default().with_limits(user="per-worker")
+        async with toolpool.Pool("probe_registry_mod:registry", workers=1, profile=profile) as pool:
+            seen = await pool.call("list_directory", {"path": str(private)})
+            other = await pool.call("list_directory", {"path": str(private / "other")})
+            mine = await pool.call("list_directory", {"path": str(private / "tools")})
+            detail = _layer(pool, "uid").detail
+    finally:
+        sys.path[:2] = []
+    assert seen.value == ["tools"]  # covered: only the entry the tools come from
+    assert other.value == "ENOENT"
+    assert "probe_registry_mod.py" in mine.value
+    assert f"{private} hidden" in detail
+
+
+def test_a_uid_change_that_fails_half_way_stops_the_worker() -> None:
+    """Once begun, a failed change is fatal: the worker never runs tools half-changed."""
+    script = textwrap.dedent(
+        """
+        import os
+        from toolpool.sandbox import Profile
+        from toolpool.sandbox._apply import apply_profile
+
+        def refuse(*ids):
+            raise PermissionError(1, "refused by the test")
+
+        os.setresuid = refuse
+        try:
+            apply_profile(Profile(core_dumps=True, scratch_dir=False, user="nobody"), [])
+        except RuntimeError as exc:
+            print("fatal:", exc)
+        else:
+            print("went on as uid", os.geteuid())
+        """
+    )
+    if not IS_ROOT:
+        pytest.skip("changing uid needs root")
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert done.stdout.startswith("fatal: the uid change failed half way"), done.stdout
+
+
+def test_a_uid_change_without_capabilities_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from toolpool.sandbox import _identity
+    from toolpool.sandbox._apply import apply_profile
+
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(_identity, "_capabilities", lambda: 0)  # root in a container, say
+    report = apply_profile(Profile(core_dumps=True, scratch_dir=False, user="per-worker"), [])
+    assert report["uid"][0] is False
+    assert "CAP_SETUID" in report["uid"][1]
+
+
 def test_a_uid_change_without_root_is_reported_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from toolpool.sandbox._apply import apply_profile
 
@@ -400,6 +475,10 @@ def test_the_user_field_is_validated() -> None:
         Profile(user=1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="uid"):
         Profile(user=-1)
+    with pytest.raises(ValueError, match="root"):
+        Profile(user="root")
+    with pytest.raises(ValueError, match="root"):
+        Profile(user=0)
     profile = Profile.untrusted()
     assert Profile.from_wire(profile.to_wire()) == profile
 

@@ -36,11 +36,13 @@ def _set_limit(which: int, value: int) -> None:
     resource.setrlimit(which, (value, value))
 
 
-def _unshare_network() -> str:
+def _unshare_network(allow_userns: bool = True) -> str:
     libc = _libc()
     if libc.unshare(CLONE_NEWNET) == 0:
         return "own empty network namespace"
     first = os.strerror(ctypes.get_errno())
+    if not allow_userns:
+        raise OSError(f"unshare(CLONE_NEWNET): {first}")
     uid, gid = os.getuid(), os.getgid()
     if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
         raise OSError(
@@ -57,12 +59,17 @@ def _unshare_network() -> str:
 
 
 def apply_profile(
-    profile: Profile, procs_files: list[str], own: list[str] | None = None
+    profile: Profile,
+    procs_files: list[str],
+    own: list[str] | None = None,
+    tools_module: str | None = None,
 ) -> dict[str, list[Any]]:
     """Apply ``profile`` to this process. Returns ``{layer: [active, detail]}``.
 
     ``own`` names files the worker keeps using after a uid change (its socket file); they and
-    the scratch directory (the working directory) are handed to the new uid.
+    the scratch directory (the working directory) are handed to the new uid, which must also
+    be able to import ``tools_module``. A uid change that fails once begun raises
+    :class:`RuntimeError`: the worker must not run tools half-changed.
 
     Raises :class:`RuntimeError` if a layer in ``profile.require`` could not be applied.
     """
@@ -95,25 +102,36 @@ def apply_profile(
     except (OSError, ValueError) as exc:
         report["rlimits"] = [False, f"setrlimit failed: {exc}"]
 
+    # Before a uid change, only a plain network namespace: one inside a user namespace would
+    # map only the current uid, and the change to another would then fail.
+    netns_later = False
     if not profile.network:
         try:
-            report["netns"] = [True, _unshare_network()]
+            report["netns"] = [True, _unshare_network(allow_userns=profile.user is None)]
         except OSError as exc:
             report["netns"] = [False, str(exc)]
+            netns_later = profile.user is not None
 
     if profile.user is not None:
-        from ._identity import drop_privileges
+        from ._identity import LayerUnavailable, drop_privileges
 
         owned = [*(own or ()), *([os.getcwd()] if profile.scratch_dir else [])]
         try:
-            detail = drop_privileges(profile.user, owned)
+            detail = drop_privileges(profile.user, owned, tools_module)
+        except LayerUnavailable as exc:
+            report["uid"] = [False, str(exc)]
+        else:
             if profile.max_processes is not None:
                 # Enforced for a non-root uid, per uid: with a uid per worker, per worker.
                 _set_limit(resource.RLIMIT_NPROC, profile.max_processes)
                 detail += f", nproc={profile.max_processes}"
             report["uid"] = [True, detail]
-        except (OSError, ValueError) as exc:
-            report["uid"] = [False, str(exc)]
+
+    if netns_later:
+        try:
+            report["netns"] = [True, _unshare_network()]
+        except OSError as exc:
+            report["netns"] = [False, str(exc)]
 
     if profile.landlock:
         from ._landlock import restrict

@@ -1,17 +1,23 @@
 """Run a worker as another user: its own uid per worker, or a named one.
 
 Done in the worker, as root, single-threaded, after the other set-up steps and before PDEATHSIG
-is armed (a uid change clears it). Three steps:
+is armed (a uid change clears it). The steps:
 
-1. A private mount namespace in which the interpreter, the standard library, every ``sys.path``
-   entry and the working directory are reachable by the new uid. A directory the new uid may
+1. Check the process can do it at all (root with CAP_SETUID, CAP_SETGID, CAP_CHOWN; and
+   CAP_SYS_ADMIN if a view must be built): if not, the layer is unavailable and nothing has
+   changed (:class:`LayerUnavailable`).
+2. A private mount namespace in which what the worker must import is reachable by the new uid:
+   the interpreter and its prefixes, site-packages, toolpool itself and the entry of
+   ``sys.path`` that provides the tools module. A directory on the way that the new uid may
    not search (``/root`` is 0700 on our machines, and pyenv lives under it) is covered by an
-   empty tmpfs into which only the needed entries are bind-mounted back: the rest of it stays
-   hidden from the tool.
-2. Files the worker must keep using (its socket file, its scratch directory) are handed to the
-   new uid.
-3. ``setgroups([])``, ``setresgid``, ``setresuid``, then ``PR_SET_NO_NEW_PRIVS`` so no set-uid
-   program can bring privileges back. All capabilities are gone with the uid change.
+   empty tmpfs into which only the needed entries are bind-mounted back, read-only: the rest
+   of it stays hidden from the tool. Other ``sys.path`` entries are not uncovered.
+3. Files the worker keeps using (its socket and its directory, its scratch directory) are
+   handed to the new uid.
+4. The capability bounding set is emptied, then ``setgroups([])``, ``setresgid``,
+   ``setresuid``, ``PR_SET_NO_NEW_PRIVS``; then the result is verified (every uid changed, no
+   effective capability left). A failure from here on is fatal to the worker: it never runs a
+   tool half-changed.
 
 With its own uid a tool cannot signal the supervisor, the reaper or a sibling worker, cannot
 write itself into another cgroup, cannot connect to another worker's socket, and
@@ -30,20 +36,39 @@ from typing import Any
 
 from ._linux import PR_SET_NO_NEW_PRIVS, prctl
 
-__all__ = ("PER_WORKER", "PER_WORKER_UID_BASE", "drop_privileges", "resolve_user", "target_ids")
+__all__ = (
+    "PER_WORKER",
+    "PER_WORKER_UID_BASE",
+    "LayerUnavailable",
+    "drop_privileges",
+    "resolve_user",
+    "target_ids",
+)
 
 #: ``Profile(user=PER_WORKER)``: every worker gets a uid (and gid) of its own.
 PER_WORKER = "per-worker"
-#: A per-worker uid is this plus the worker's pid: unique among live processes machine-wide,
-#: above any uid a distribution hands out, below 2**32 - 1 for any pid_max (at most 2**22).
+#: A per-worker uid is this plus the worker's pid (unique among live processes of its pid
+#: namespace), above any uid a distribution hands out. In a pid namespace other than the
+#: initial one, a slot derived from the namespace is added (see :func:`target_ids`).
 PER_WORKER_UID_BASE = 2_000_000_000
+_PID_SPACE = 1 << 22  # pid_max can be at most 2**22
+_INITIAL_PID_NS = 0xEFFFFFFC  # the initial pid namespace's inode number (PROC_PID_INIT_INO)
 
 CLONE_NEWNS = 0x00020000
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_REMOUNT = 0x20
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
-MS_NOSUID = 0x2
-MS_NODEV = 0x4
+PR_CAPBSET_DROP = 24
+CAP_CHOWN, CAP_SETGID, CAP_SETUID, CAP_SYS_ADMIN = 0, 6, 7, 21
+
+
+class LayerUnavailable(OSError):
+    """This process cannot change its uid here (not root, or missing capabilities); nothing
+    was changed."""
 
 
 def resolve_user(user: str | int) -> tuple[int, int]:
@@ -61,9 +86,22 @@ def resolve_user(user: str | int) -> tuple[int, int]:
 
 
 def target_ids(user: str | int) -> tuple[int, int]:
-    """The uid and gid this worker process will run as."""
+    """The uid and gid this worker process will run as.
+
+    Per worker: :data:`PER_WORKER_UID_BASE` + pid in the initial pid namespace, which makes it
+    unique among live workers of every pool on the machine. In another pid namespace pids
+    repeat across namespaces, so one of 500 slots derived from the namespace's identity is
+    added: two such namespaces still collide if their slots and pids are equal (1 in 500 per
+    pair of equal pids).
+    """
     if user == PER_WORKER:
         ident = PER_WORKER_UID_BASE + os.getpid()
+        try:
+            namespace = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:
+            namespace = _INITIAL_PID_NS
+        if namespace != _INITIAL_PID_NS:
+            ident += _PID_SPACE * (1 + namespace % 500)
         return ident, ident
     return resolve_user(user)
 
@@ -89,20 +127,45 @@ def _searchable(path: str, uid: int, gid: int) -> bool:
     return bool(st.st_mode & stat.S_IXOTH)
 
 
-def needed_paths() -> list[str]:
-    """Directories the worker must still read after the uid change: the interpreter's, the
-    working directory, and every ``sys.path`` entry that exists."""
-    paths = {os.path.dirname(os.path.realpath(sys.executable)), os.getcwd()}
-    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path):
-        if p and os.path.isdir(p):
-            paths.add(os.path.realpath(p))
-    return sorted(paths)
+def _entry_providing(module: str) -> str | None:
+    """The ``sys.path`` entry an import of ``module`` would find first (nothing imported)."""
+    top = module.split(".")[0]
+    for entry in sys.path:
+        entry = entry or os.getcwd()
+        try:
+            names = os.listdir(entry)
+        except OSError:
+            continue
+        for name in names:
+            if name == top or name.partition(".")[0] == top:
+                return os.path.realpath(entry)
+    return None
 
 
-def _interpreter_paths() -> set[str]:
+def interpreter_paths() -> set[str]:
+    """The interpreter's own directories: the worker cannot run without them."""
     found = {os.path.dirname(os.path.realpath(sys.executable))}
     found.update(os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix))
     return found
+
+
+def needed_paths(tools_module: str | None = None) -> list[str]:
+    """Directories the worker must still read after the uid change: the interpreter's,
+    site-packages, toolpool's own, and the ``sys.path`` entry providing ``tools_module``."""
+    paths = set(interpreter_paths())
+    prefixes = tuple(p.rstrip("/") + "/" for p in paths)
+    for entry in sys.path:
+        real = os.path.realpath(entry or os.getcwd())
+        if real.startswith(prefixes) or os.path.basename(real) in (
+            "site-packages",
+            "dist-packages",
+        ):
+            paths.add(real)
+    paths.add(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
+    provider = _entry_providing(tools_module) if tools_module else None
+    if provider is not None:
+        paths.add(provider)
+    return sorted(p for p in paths if os.path.isdir(p))
 
 
 def _first_blocked(path: str, uid: int, gid: int) -> tuple[str, str] | None:
@@ -133,7 +196,10 @@ def make_reachable(
     for _ in range(16):  # one covered directory per round; nested ones take more rounds
         blocked: dict[str, set[str]] = {}
         for p in list(wanted):
-            hit = _first_blocked(p, uid, gid)
+            try:
+                hit = _first_blocked(p, uid, gid)
+            except OSError:  # gone meanwhile
+                hit = (p, "")
             if hit is None:
                 continue
             if hit[1] == "":  # the path itself is closed to uid: nothing to uncover
@@ -155,11 +221,14 @@ def make_reachable(
         # Keep a handle on each needed entry, cover the directory, then put the entries back.
         fds = {c: os.open(os.path.join(directory, c), os.O_PATH | os.O_CLOEXEC) for c in children}
         try:
-            _mount("toolpool", directory, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
+            flags = MS_NOSUID | MS_NODEV
+            _mount("toolpool", directory, "tmpfs", flags, "mode=0755,size=64k")
             for child, fd in sorted(fds.items()):
                 target = os.path.join(directory, child)
                 os.mkdir(target, 0o755)
                 _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC, "")
+                readonly = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
+                _mount(None, target, None, readonly, "")
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -167,26 +236,67 @@ def make_reachable(
     raise OSError("too many nested directories to make reachable")
 
 
-def drop_privileges(user: str | int, own: Iterable[str] = ()) -> str:
+def _capabilities() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
+def _fatal(what: str, exc: BaseException | None = None) -> RuntimeError:
+    detail = f": {exc}" if exc is not None else ""
+    return RuntimeError(f"the uid change failed half way ({what}{detail}); not running tools")
+
+
+def drop_privileges(
+    user: str | int, own: Iterable[str] = (), tools_module: str | None = None
+) -> str:
     """Become ``user`` for good (see the module docstring). Returns what was done.
 
-    Raises OSError (or ValueError for an unknown user) if it cannot be done.
+    Raises :class:`LayerUnavailable` if this process cannot do it (nothing changed), and
+    :class:`RuntimeError` if it failed once begun (the worker must not go on).
     """
     uid, gid = target_ids(user)
     if os.geteuid() != 0:
-        raise OSError("changing uid needs root (CAP_SETUID); running as uid " + str(os.getuid()))
-    for path in own:  # the worker's own: nobody else may use them
-        if os.path.exists(path):
+        raise LayerUnavailable(f"changing uid needs root; running as uid {os.getuid()}")
+    caps = _capabilities()
+    wanted = {"CAP_SETUID": CAP_SETUID, "CAP_SETGID": CAP_SETGID, "CAP_CHOWN": CAP_CHOWN}
+    missing = [name for name, bit in wanted.items() if not caps & (1 << bit)]
+    if missing:
+        raise LayerUnavailable(f"root without {', '.join(missing)}")
+    own = [p for p in own if os.path.exists(p)]
+    needed = [*needed_paths(tools_module), *{os.path.dirname(p) for p in own}]
+    try:
+        covered, unreachable = make_reachable(needed, uid, gid, interpreter_paths())
+    except PermissionError as exc:  # no CAP_SYS_ADMIN for a mount namespace (a container)
+        raise LayerUnavailable(
+            f"cannot make the interpreter readable for uid {uid}: {exc}"
+        ) from exc
+    except OSError as exc:
+        raise _fatal("building the worker's view of the filesystem", exc) from exc
+    try:
+        for path in own:  # the worker's own: nobody else may use them
             os.chown(path, uid, gid)
             os.chmod(path, 0o700 if os.path.isdir(path) else 0o600)
-    covered, unreachable = make_reachable(needed_paths(), uid, gid, _interpreter_paths())
-    os.setgroups([])
-    os.setresgid(gid, gid, gid)
-    os.setresuid(uid, uid, uid)
-    if os.getuid() != uid or os.geteuid() != uid:
-        raise OSError(f"the uid change to {uid} did not take")
-    if not prctl(PR_SET_NO_NEW_PRIVS, 1):
-        raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            last = int(f.read())
+        for cap in range(last + 1):
+            if not prctl(PR_CAPBSET_DROP, cap):
+                raise OSError(ctypes.get_errno(), f"PR_CAPBSET_DROP({cap})")
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        if not prctl(PR_SET_NO_NEW_PRIVS, 1):
+            raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
+    except (OSError, ValueError) as exc:
+        raise _fatal(f"to uid {uid}", exc) from exc
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid):
+        raise _fatal(f"ids are {os.getresuid()}/{os.getresgid()}, not {uid}/{gid}")
+    if os.getgroups():
+        raise _fatal(f"supplementary groups {os.getgroups()} remain")
+    if _capabilities():
+        raise _fatal(f"effective capabilities {_capabilities():#x} remain")
     hidden = f"; {', '.join(covered)} hidden but for what the worker needs" if covered else ""
     if unreachable:
         hidden += f"; not readable by it, left out of its view: {', '.join(unreachable)}"

@@ -263,7 +263,8 @@ def _check_user(user: object) -> None:
         raise TypeError(f"user is None, 'per-worker', a user name or a uid, not {user!r}")
     if isinstance(user, int) and not 0 <= user < 2**32 - 1:
         raise ValueError(f"a uid is between 0 and 2**32-2, got {user}")
-    resolve_user(user)
+    if resolve_user(user)[0] == 0:
+        raise ValueError(f"user {user!r} is root: running workers as root drops nothing")
 
 
 def _describe_user(user: str | int | None) -> str:

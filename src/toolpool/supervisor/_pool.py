@@ -1093,7 +1093,11 @@ class Pool:
         assert self._reaper is not None
         assert self._tg is not None
         wid = next(self._wids)
-        endpoint = f"ipc://{self._dir}/w{wid}.sock"
+        # Its own directory (0700, root's until the worker takes it for its uid): no other
+        # worker can reach the socket, whatever the umask, even before this one connects.
+        sock_dir = os.path.join(self._dir, f"w{wid}")
+        os.mkdir(sock_dir, 0o700)
+        endpoint = f"ipc://{sock_dir}/sock"
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
@@ -1102,7 +1106,7 @@ class Pool:
         w = _Worker(wid, endpoint, sock, secret)
         self._workers[wid] = w
         profile = self.profile
-        cleanup: list[str] = []
+        cleanup: list[str] = [sock_dir]
         procs: list[str] = []
         kill_dir: str | None = None
         if self._cgroups is not None and self._cgroups.base:

@@ -75,7 +75,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def setup(
-    parent_pid: int, profile_json: str | None, procs_files: list[str], endpoint: str = ""
+    parent_pid: int,
+    profile_json: str | None,
+    procs_files: list[str],
+    endpoint: str = "",
+    tools_module: str | None = None,
 ) -> tuple[bytes, dict[str, list[Any]], str | None]:
     """Process set-up, in an order that does not undo itself.
 
@@ -88,8 +92,9 @@ def setup(
     try:
         profile = Profile.from_wire(json.loads(profile_json)) if profile_json else None
         if profile is not None:
-            own = [endpoint.removeprefix("ipc://")] if endpoint.startswith("ipc:///") else []
-            report = apply_profile(profile, procs_files, own)
+            path = endpoint.removeprefix("ipc://")
+            own = [os.path.dirname(path), path] if endpoint.startswith("ipc:///") else []
+            report = apply_profile(profile, procs_files, own, tools_module)
     except (RuntimeError, ValueError, TypeError) as exc:
         error = f"containment set-up failed: {exc}"
     if sys.platform.startswith("linux"):
@@ -126,7 +131,9 @@ def load_registry(spec: str) -> Registry:
 def main(argv: list[str] | None = None) -> None:
     args = _parse(sys.argv[1:] if argv is None else argv)
     procs = [p for p in args.cgroup_procs.split(",") if p]
-    secret, report, setup_error = setup(args.parent_pid, args.profile, procs, args.endpoint)
+    secret, report, setup_error = setup(
+        args.parent_pid, args.profile, procs, args.endpoint, args.tools.partition(":")[0]
+    )
 
     capture = None
     if args.capture > 0:
