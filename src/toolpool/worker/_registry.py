@@ -18,7 +18,6 @@ from types import MappingProxyType
 from typing import Any, Final, TypeVar, final, overload
 
 import anyio
-import anyio.to_thread
 import msgpack
 
 from ..core import (
@@ -36,6 +35,7 @@ from ..core import (
     cancel_with_runtime_cause,
 )
 from ._schema import ToolSignature, inspect_tool
+from ._threads import run_body_in_thread
 
 __all__ = (
     "AroundDispatch",
@@ -609,9 +609,7 @@ class Registry:
                 if spec.is_async:
                     value = await spec.fn(**call_kwargs)
                 else:
-                    value = await anyio.to_thread.run_sync(
-                        functools.partial(spec.fn, **call_kwargs), abandon_on_cancel=False
-                    )
+                    value = await run_body_in_thread(functools.partial(spec.fn, **call_kwargs))
             except BaseException as exc:
                 state.body_cancelled = body_signal.cancelled
                 state.body_exc = exc
