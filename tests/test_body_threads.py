@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -111,4 +112,62 @@ async def _natively_cancelled_waiter() -> None:
 
 
 def test_a_natively_cancelled_waiter_still_waits_for_the_body() -> None:
+    asyncio.run(_natively_cancelled_waiter())
+
+
+@pytest.fixture
+def quick_wait() -> Iterator[None]:
+    """The worker's setting: the loop blocks up to 0.2 ms for a body before waiting for it."""
+    _threads.set_quick_wait(0.0002)
+    try:
+        yield
+    finally:
+        _threads.set_quick_wait(0.0)
+
+
+@pytest.mark.usefixtures("quick_wait")
+def test_with_a_quick_wait_fast_and_slow_bodies_settle_alike() -> None:
+    release = threading.Event()
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        entered = asyncio.Event()
+        assert await _threads.run_body_in_thread(lambda: "fast") == "fast"
+
+        def fails() -> None:
+            raise KeyError("fast failure")
+
+        with pytest.raises(KeyError, match="fast failure"):
+            await _threads.run_body_in_thread(fails)
+
+        def slow() -> str:
+            loop.call_soon_threadsafe(entered.set)
+            assert release.wait(WAIT)  # set by the loop: it must be free again meanwhile
+            back = anyio.from_thread.run_sync(threading.get_ident)
+            assert back != threading.get_ident()
+            return "slow"
+
+        task = asyncio.ensure_future(_threads.run_body_in_thread(slow))
+        await asyncio.wait_for(entered.wait(), WAIT)
+        release.set()
+        assert await asyncio.wait_for(task, WAIT) == "slow"
+
+        def slow_failure() -> None:
+            loop.call_soon_threadsafe(entered.set)
+            assert release.wait(WAIT)
+            raise ValueError("slow failure")
+
+        entered.clear()
+        release.clear()
+        task = asyncio.ensure_future(_threads.run_body_in_thread(slow_failure))
+        await asyncio.wait_for(entered.wait(), WAIT)
+        release.set()
+        with pytest.raises(ValueError, match="slow failure"):
+            await asyncio.wait_for(task, WAIT)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.usefixtures("quick_wait")
+def test_with_a_quick_wait_a_natively_cancelled_waiter_still_waits_for_the_body() -> None:
     asyncio.run(_natively_cancelled_waiter())

@@ -54,6 +54,10 @@ if TYPE_CHECKING:
     from ._registry import Registry
 
 EXIT_SETUP_FAILED = 70
+#: Seconds the worker's loop may block for a sync body to settle before it waits for it
+#: asynchronously (a no-op body then costs no loop wake-up); a cancel, ping or shutdown that
+#: arrives meanwhile is read at most this late. See worker/_threads.py.
+QUICK_BODY_WAIT = 0.0002
 EXIT_TOOLS_FAILED = 71
 EXIT_PROTOCOL = 72
 
@@ -199,7 +203,10 @@ class _Server:
                 if installed:  # asyncio: messages are handled right in the reader callback
                     import asyncio
 
+                    from ._threads import set_quick_wait
+
                     self._loop = asyncio.get_running_loop()
+                    set_quick_wait(QUICK_BODY_WAIT)  # one call at a time: see _threads
                     self._drain()
                     await anyio.sleep_forever()  # until shutdown cancels the task group
             while not (self.shutdown and self.current is None):
