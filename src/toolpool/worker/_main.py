@@ -54,12 +54,12 @@ if TYPE_CHECKING:
     from ._registry import Registry
 
 EXIT_SETUP_FAILED = 70
+EXIT_TOOLS_FAILED = 71
+EXIT_PROTOCOL = 72
 #: Seconds the worker's loop may block for a sync body to settle before it waits for it
 #: asynchronously (a no-op body then costs no loop wake-up); a cancel, ping or shutdown that
 #: arrives meanwhile is read at most this late. See worker/_threads.py.
 QUICK_BODY_WAIT = 0.0002
-EXIT_TOOLS_FAILED = 71
-EXIT_PROTOCOL = 72
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -51,7 +51,7 @@ _internals = _anyio_internals()
 if _internals is not None:
     _AsyncIOBackend, _EventLoopToken, _anyio_threadlocals, _set_async_library = _internals
 
-__all__ = ("run_body_in_thread",)
+__all__ = ("run_body_in_thread", "set_quick_wait")
 
 #: At most this many body threads; beyond it (many sync bodies at once, in-process), bodies
 #: use anyio's thread pool and its capacity limiter.
