@@ -15,6 +15,9 @@ import zmq
 
 __all__ = ("fd_of", "on_readable", "readable")
 
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
 
 def fd_of(sock: zmq.Socket[Any]) -> int:
     """The socket's notification file descriptor (wait on it, then drain)."""
@@ -23,7 +26,7 @@ def fd_of(sock: zmq.Socket[Any]) -> int:
 
 def readable(sock: zmq.Socket[Any]) -> bool:
     """True if a message can be received without blocking."""
-    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+    return bool(cast(int, sock.get(_EVENTS)) & _POLLIN)  # plain ints: no enum arithmetic
 
 
 @contextlib.contextmanager

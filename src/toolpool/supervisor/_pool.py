@@ -307,6 +307,7 @@ class _Worker:
         "call",
         "catalog",
         "disconnected",
+        "draining",
         "endpoint",
         "escalated",
         "exit_status",
@@ -349,6 +350,7 @@ class _Worker:
         self.hello_event = anyio.Event()
         self.scopes: list[anyio.CancelScope] = []
         self.disconnected = False
+        self.draining = False
         self.escalated = False
         self.awaiting_fatal = False
         self.peak_file: str | None = None
@@ -891,8 +893,10 @@ class Pool:
             w.sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
         except zmq.ZMQError:
             return False
-        # Sending may consume the edge of zmq's notification fd: handle what arrived.
-        if readable(w.sock):
+        # Sending may consume the edge of zmq's notification fd: handle what arrived. Inside
+        # w's own drain (a result dispatched the next call to it), that loop receives it: no
+        # recursion, which a busy supervisor and a fast worker could otherwise nest per call.
+        if not w.draining and readable(w.sock):
             self._drain(w)
         return True
 
@@ -1261,18 +1265,24 @@ class Pool:
 
     def _drain(self, w: _Worker) -> None:
         sock = w.sock
-        while not sock.closed and readable(sock):
-            frame = sock.recv(zmq.NOBLOCK)
-            if w.violation is not None:
-                continue  # a quarantined violator: nothing it says counts any more
-            try:
-                msg = decode_from_worker(frame, max_len=self.max_frame)
-                self._on_message(w, msg)
-            except ProtocolViolation as exc:
-                self._quarantine(w, f"protocol violation: {exc}")
-            except Exception as exc:  # a decoder gap must never take the supervisor down
-                _log.exception("worker %s: unexpected error handling its message", w.wid)
-                self._quarantine(w, f"protocol violation: {type(exc).__name__}: {exc}")
+        if w.draining:
+            return  # the drain further up the stack receives until nothing is readable
+        w.draining = True
+        try:
+            while not sock.closed and readable(sock):
+                frame = sock.recv(zmq.NOBLOCK)
+                if w.violation is not None:
+                    continue  # a quarantined violator: nothing it says counts any more
+                try:
+                    msg = decode_from_worker(frame, max_len=self.max_frame)
+                    self._on_message(w, msg)
+                except ProtocolViolation as exc:
+                    self._quarantine(w, f"protocol violation: {exc}")
+                except Exception as exc:  # a decoder gap must never take the supervisor down
+                    _log.exception("worker %s: unexpected error handling its message", w.wid)
+                    self._quarantine(w, f"protocol violation: {type(exc).__name__}: {exc}")
+        finally:
+            w.draining = False
 
     def _on_message(self, w: _Worker, msg: Any) -> None:
         if isinstance(msg, ResultMessage):

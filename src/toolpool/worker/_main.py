@@ -56,6 +56,10 @@ if TYPE_CHECKING:
 EXIT_SETUP_FAILED = 70
 EXIT_TOOLS_FAILED = 71
 EXIT_PROTOCOL = 72
+#: Seconds the worker's loop may block for a sync body to settle before it waits for it
+#: asynchronously (a no-op body then costs no loop wake-up); a cancel, ping or shutdown that
+#: arrives meanwhile is read at most this late. See worker/_threads.py.
+QUICK_BODY_WAIT = 0.0002
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -186,6 +190,9 @@ class _Server:
         self.current: tuple[int, Any] | None = None  # (call_id, CancelController)
         self.shutdown = False
         self._tg: Any = None
+        self._loop: Any = None  # asyncio: each call runs as a plain task (cheaper than anyio's)
+        self._task: Any = None
+        self._failure: BaseException | None = None
         # zmq is imported only after set-up; keep what the hot path needs at hand.
         import zmq
 
@@ -202,6 +209,12 @@ class _Server:
             self._tg = tg
             with on_readable(fd, self._drain) as installed:
                 if installed:  # asyncio: messages are handled right in the reader callback
+                    import asyncio
+
+                    from ._threads import set_quick_wait
+
+                    self._loop = asyncio.get_running_loop()
+                    set_quick_wait(QUICK_BODY_WAIT)  # one call at a time: see _threads
                     self._drain()
                     await anyio.sleep_forever()  # until shutdown cancels the task group
             while not (self.shutdown and self.current is None):
@@ -210,6 +223,8 @@ class _Server:
                     break
                 await anyio.wait_readable(fd)
             tg.cancel_scope.cancel()
+        if self._failure is not None:
+            raise self._failure
 
     def _send(self, frame: bytes) -> None:
         self.sock.send(frame, 0, copy=len(frame) < 65536)
@@ -234,7 +249,11 @@ class _Server:
                 os._exit(EXIT_PROTOCOL)
             controller = CancelController()
             self.current = (msg.call_id, controller)
-            self._tg.start_soon(self._run, msg, controller)
+            if self._loop is not None:
+                self._task = self._loop.create_task(self._run(msg, controller))
+                self._task.add_done_callback(self._call_done)
+            else:
+                self._tg.start_soon(self._run, msg, controller)
         elif isinstance(msg, Cancel):
             if self.current is not None and self.current[0] == msg.call_id:
                 cancel_with_runtime_cause(self.current[1], CancelCause(msg.cause))  # type: ignore[arg-type]
@@ -245,6 +264,13 @@ class _Server:
             self.shutdown = True
             if self.current is None:
                 self._tg.cancel_scope.cancel()
+
+    def _call_done(self, task: Any) -> None:
+        """A call's task ended: a failure of the worker itself stops it, loudly."""
+        self._task = None
+        if not task.cancelled() and task.exception() is not None:
+            self._failure = task.exception()
+            self._tg.cancel_scope.cancel()
 
     async def _run(self, msg: Any, controller: Any) -> None:
         call_id = msg.call_id
@@ -261,7 +287,7 @@ class _Server:
             self._send(encode(Started(call_id)))
 
         result = await self.registry.execute_owned(
-            msg.tool, args, signal=controller.signal, call_id=str(call_id), on_dispatch=started
+            msg.tool, args, controller=controller, call_id=str(call_id), on_dispatch=started
         )
         packed = result._packed_value
         if packed is None and result.value is not None:
@@ -317,12 +343,10 @@ def _usage() -> tuple[float, float]:
 def _usage_since(before: tuple[float, float]) -> dict[str, Any]:
     """The call's CPU time (the worker's threads and children reaped meanwhile) and the
     high-water mark of resident memory (the worker's, or its largest reaped child's)."""
-    own, kids = _usage()
-    peak = max(
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
-    )
-    return {"cpu_time": (own - before[0]) + (kids - before[1]), "max_rss": peak * 1024}
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (own.ru_utime + own.ru_stime - before[0]) + (kids.ru_utime + kids.ru_stime - before[1])
+    return {"cpu_time": cpu, "max_rss": max(own.ru_maxrss, kids.ru_maxrss) * 1024}
 
 
 def _has_children() -> bool:

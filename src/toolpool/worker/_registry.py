@@ -18,7 +18,6 @@ from types import MappingProxyType
 from typing import Any, Final, TypeVar, final, overload
 
 import anyio
-import anyio.to_thread
 import msgpack
 
 from ..core import (
@@ -36,6 +35,7 @@ from ..core import (
     cancel_with_runtime_cause,
 )
 from ._schema import ToolSignature, inspect_tool
+from ._threads import run_body_in_thread
 
 __all__ = (
     "AroundDispatch",
@@ -51,6 +51,7 @@ _log = logging.getLogger("toolpool.worker")
 TIMEOUT_TEXT: Final = "Error: tool call timed out"
 _PARENT_CAUSE: Final = CancelCause("parent")
 _TIMEOUT_CAUSE: Final = CancelCause("timeout")
+_DISPOSED_CAUSE: Final = CancelCause("disposed")
 _call_ids = itertools.count(1)
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -441,7 +442,9 @@ class Registry:
 
         async def run_shielded() -> None:
             try:
-                box.append(await self._run(name, args, cid, fusion, deadline, timeout, on_dispatch))
+                box.append(
+                    await self._run(name, args, cid, fusion.signal, deadline, timeout, on_dispatch)
+                )
             finally:
                 done.set()
 
@@ -469,20 +472,21 @@ class Registry:
         name: str,
         args: Mapping[str, Any],
         *,
-        signal: CancelSignal,
+        controller: CancelController,
         call_id: str,
         on_dispatch: Callable[[], object] | None = None,
     ) -> ToolResult:
-        """:meth:`execute` for a caller that never cancels the awaiting task (the worker
-        process, which learns of cancellation only by message): the same pipeline, order and
-        classification, without the machinery that turns a cancelled awaiting task into
-        cause ``parent``. Not for general use."""
-        fusion = Fusion((signal,))
+        """:meth:`execute` for a caller that owns the call's controller and never cancels the
+        awaiting task (the worker process, which learns of cancellation only by message): the
+        same pipeline, order and classification, without the machinery that turns a cancelled
+        awaiting task into cause ``parent``. The controller's signal is the caller's signal;
+        when the call is over it is expired (cancelled with cause ``disposed``), like the fused
+        signal of :meth:`execute`. Not for general use."""
         self._in_flight += 1
         try:
-            return await self._run(name, args, call_id, fusion, None, None, on_dispatch)
+            return await self._run(name, args, call_id, controller.signal, None, None, on_dispatch)
         finally:
-            fusion.close(expire=True)
+            cancel_with_runtime_cause(controller, _DISPOSED_CAUSE)
             self._in_flight -= 1
             if self._in_flight == 0 and self._idle is not None:
                 self._idle.set()
@@ -493,7 +497,7 @@ class Registry:
         name: str,
         args: Mapping[str, Any],
         call_id: str,
-        fusion: Fusion,
+        signal: CancelSignal,
         deadline: CancelController | None,
         timeout: float | None,
         on_dispatch: Callable[[], object] | None,
@@ -502,11 +506,11 @@ class Registry:
         result: ToolResult | None = None
         with anyio.CancelScope(shield=True):
             if deadline is None:
-                result = await self._pipeline(name, args, call_id, fusion.signal, on_dispatch)
+                result = await self._pipeline(name, args, call_id, signal, on_dispatch)
             else:
                 async with anyio.create_task_group() as inner:
                     inner.start_soon(_deadline_timer, deadline, timeout)
-                    result = await self._pipeline(name, args, call_id, fusion.signal, on_dispatch)
+                    result = await self._pipeline(name, args, call_id, signal, on_dispatch)
                     inner.cancel_scope.cancel()
         assert result is not None  # the shield is never cancelled from outside
         return result
@@ -609,9 +613,7 @@ class Registry:
                 if spec.is_async:
                     value = await spec.fn(**call_kwargs)
                 else:
-                    value = await anyio.to_thread.run_sync(
-                        functools.partial(spec.fn, **call_kwargs), abandon_on_cancel=False
-                    )
+                    value = await run_body_in_thread(functools.partial(spec.fn, **call_kwargs))
             except BaseException as exc:
                 state.body_cancelled = body_signal.cancelled
                 state.body_exc = exc

@@ -1,0 +1,173 @@
+"""Sync tool bodies run in a thread, never on the event loop, and are never abandoned (C2.5).
+
+On asyncio the registry uses its own persistent body threads (``worker/_threads.py``); on trio,
+anyio's thread pool. Tests synchronise on events, never on sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import pytest
+
+from toolpool import CancelController, Outcome, Registry
+from toolpool.worker import _threads
+
+WAIT = 10.0
+_var: contextvars.ContextVar[str] = contextvars.ContextVar("_var", default="unset")
+
+
+@pytest.mark.anyio
+async def test_sync_bodies_run_off_the_loop_and_see_the_callers_context() -> None:
+    registry = Registry()
+    loop_thread = threading.get_ident()
+
+    @registry.tool
+    def where() -> dict[str, Any]:
+        back = anyio.from_thread.run_sync(threading.get_ident)  # a token, as in anyio's threads
+        return {"thread": threading.get_ident(), "back": back, "var": _var.get()}
+
+    _var.set("caller")
+    for _ in range(3):  # the thread is reused; each call still sees the caller's context
+        result = await registry.execute("where", {}, signal=CancelController().signal)
+        assert result.outcome is Outcome.OK, result
+        assert result.value["thread"] != loop_thread
+        assert result.value["back"] == loop_thread
+        assert result.value["var"] == "caller"
+
+
+@pytest.mark.anyio
+async def test_a_body_exception_is_the_calls_error() -> None:
+    registry = Registry()
+
+    @registry.tool
+    def boom() -> None:
+        raise KeyError("nope")
+
+    result = await registry.execute("boom", {}, signal=CancelController().signal)
+    assert result.outcome is Outcome.ERROR
+    assert result.error_name == "KeyError"
+    assert result.body_started is True
+
+
+@pytest.mark.anyio
+async def test_sync_bodies_that_wait_for_each_other_run_at_once() -> None:
+    registry = Registry()
+    first_in = threading.Event()
+
+    @registry.tool
+    def first() -> str:
+        assert first_in.wait(WAIT)
+        return "first"
+
+    @registry.tool
+    def second() -> str:
+        first_in.set()
+        return "second"
+
+    results: dict[str, Any] = {}
+
+    async def run(name: str) -> None:
+        results[name] = await registry.execute(name, {}, signal=CancelController().signal)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, "first")
+        tg.start_soon(run, "second")
+    assert results["first"].value == "first"
+    assert results["second"].value == "second"
+
+
+async def _natively_cancelled_waiter() -> None:
+    """Only a native Task.cancel() can reach the wait (the registry shields it): the body is
+    still waited for, and the cancellation is raised once it settled."""
+    release = threading.Event()
+    entered = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    settled: list[str] = []
+
+    def body() -> str:
+        loop.call_soon_threadsafe(entered.set)
+        assert release.wait(WAIT)
+        settled.append("body")
+        return "done"
+
+    async def waiter() -> None:
+        await _threads.run_body_in_thread(body)
+
+    task = asyncio.ensure_future(waiter())
+    await asyncio.wait_for(entered.wait(), WAIT)
+    task.cancel()
+    await asyncio.sleep(0)  # one loop turn: the waiter got the cancellation first
+    assert not task.done()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, WAIT)
+    assert settled == ["body"]
+
+
+def test_a_natively_cancelled_waiter_still_waits_for_the_body() -> None:
+    asyncio.run(_natively_cancelled_waiter())
+
+
+@pytest.fixture
+def quick_wait() -> Iterator[None]:
+    """The worker's setting: the loop blocks up to 0.2 ms for a body before waiting for it."""
+    _threads.set_quick_wait(0.0002)
+    try:
+        yield
+    finally:
+        _threads.set_quick_wait(0.0)
+
+
+@pytest.mark.usefixtures("quick_wait")
+def test_with_a_quick_wait_fast_and_slow_bodies_settle_alike() -> None:
+    release = threading.Event()
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        entered = asyncio.Event()
+        assert await _threads.run_body_in_thread(lambda: "fast") == "fast"
+
+        def fails() -> None:
+            raise KeyError("fast failure")
+
+        with pytest.raises(KeyError, match="fast failure"):
+            await _threads.run_body_in_thread(fails)
+
+        def slow() -> str:
+            loop.call_soon_threadsafe(entered.set)
+            assert release.wait(WAIT)  # set by the loop: it must be free again meanwhile
+            back = anyio.from_thread.run_sync(threading.get_ident)
+            assert back != threading.get_ident()
+            return "slow"
+
+        task = asyncio.ensure_future(_threads.run_body_in_thread(slow))
+        await asyncio.wait_for(entered.wait(), WAIT)
+        release.set()
+        assert await asyncio.wait_for(task, WAIT) == "slow"
+
+        def slow_failure() -> None:
+            loop.call_soon_threadsafe(entered.set)
+            assert release.wait(WAIT)
+            raise ValueError("slow failure")
+
+        entered.clear()
+        release.clear()
+        task = asyncio.ensure_future(_threads.run_body_in_thread(slow_failure))
+        await asyncio.wait_for(entered.wait(), WAIT)
+        release.set()
+        with pytest.raises(ValueError, match="slow failure"):
+            await asyncio.wait_for(task, WAIT)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.usefixtures("quick_wait")
+def test_with_a_quick_wait_a_natively_cancelled_waiter_still_waits_for_the_body() -> None:
+    asyncio.run(_natively_cancelled_waiter())
