@@ -263,6 +263,35 @@ async def test_a_worker_cannot_disturb_another_workers_connection() -> None:
         assert victim.outcome is Outcome.OK, victim.error
 
 
+@pytest.mark.anyio
+async def test_a_stolen_secret_does_not_make_another_process_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """C7: the hello must come from the worker process itself (its socket peer's credentials),
+    not merely carry its secret and claim its pid."""
+    from toolpool.supervisor._reaper import ReaperClient
+
+    real_spawn = ReaperClient.spawn
+    impostors: list[int] = []
+
+    def spawn_impostor(self: ReaperClient, wid: int, argv: list[str], **kwargs: Any) -> None:
+        assert argv[1:3] == ["-m", "toolpool.worker"]
+        impostors.append(wid)
+        kwargs["start"] = "spawn"
+        real_spawn(self, wid, [argv[0], str(TESTS_DIR / "impostor_shim.py"), *argv[3:]], **kwargs)
+
+    monkeypatch.setattr(ReaperClient, "spawn", spawn_impostor)
+    pool = toolpool.Pool(TOOLS, workers=1, max_start_failures=2, start_timeout=10)
+    try:
+        with anyio.fail_after(30), pytest.raises(toolpool.WorkerStartError, match="not the worker"):
+            await pool.start()
+    finally:
+        await pool.aclose()
+    assert impostors == [1]  # refused at once: a start failure while starting
+    # Both impostor processes (the stand-in and its child) were killed with the tree.
+    assert marked(str(TESTS_DIR / "impostor_shim.py")) == []
+
+
 # --------------------------------------------------------------------------- subprocess supervisors
 
 

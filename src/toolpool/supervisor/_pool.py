@@ -318,6 +318,7 @@ class _Worker:
         "last_call_id",
         "oom_kills",
         "peak_file",
+        "peer_pid",
         "pending",
         "pid",
         "scopes",
@@ -354,6 +355,7 @@ class _Worker:
         self.escalated = False
         self.awaiting_fatal = False
         self.peak_file: str | None = None
+        self.peer_pid: int | None = None  # who sent its first message (SO_PEERCRED)
         self.oom_kills = 0  # OOM kills in its memory cgroup, as the reaper read them at exit
         self.pending: Callable[..., None] | None = None
 
@@ -984,6 +986,14 @@ class Pool:
         w.state = WorkerState.RETIRING
         self._send(w, encode(Shutdown()))
 
+    def _violated(self, w: _Worker, violation: str) -> None:
+        """w broke the protocol: quarantine it; before its hello, that is a start failure."""
+        if _spawning(w):
+            self._quarantine(w, violation)
+            self._start_failure(w, violation)
+        else:
+            self._quarantine(w, violation)
+
     def _quarantine(self, w: _Worker, violation: str | None) -> None:
         """Take w out of service for good and kill its tree (C4.2, C7)."""
         if violation is not None and w.violation is None:
@@ -1270,17 +1280,22 @@ class Pool:
         w.draining = True
         try:
             while not sock.closed and readable(sock):
-                frame = sock.recv(zmq.NOBLOCK)
+                if w.state is WorkerState.SPAWNING:  # its hello: note who really sent it
+                    zframe = sock.recv(zmq.NOBLOCK, copy=False)
+                    w.peer_pid = _peer_pid(zframe)
+                    frame = zframe.bytes
+                else:
+                    frame = sock.recv(zmq.NOBLOCK)
                 if w.violation is not None:
                     continue  # a quarantined violator: nothing it says counts any more
                 try:
                     msg = decode_from_worker(frame, max_len=self.max_frame)
                     self._on_message(w, msg)
                 except ProtocolViolation as exc:
-                    self._quarantine(w, f"protocol violation: {exc}")
+                    self._violated(w, f"protocol violation: {exc}")
                 except Exception as exc:  # a decoder gap must never take the supervisor down
                     _log.exception("worker %s: unexpected error handling its message", w.wid)
-                    self._quarantine(w, f"protocol violation: {type(exc).__name__}: {exc}")
+                    self._violated(w, f"protocol violation: {type(exc).__name__}: {exc}")
         finally:
             w.draining = False
 
@@ -1346,6 +1361,12 @@ class Pool:
                 return
             if w.pid is not None and msg.pid != w.pid:
                 raise ProtocolViolation(f"hello from pid {msg.pid}, but the worker is {w.pid}")
+            if w.peer_pid is not None and w.peer_pid != msg.pid:
+                # The secret alone is not enough: the process at the other end of the socket
+                # must be the worker itself (a stolen secret cannot stand in for it).
+                raise ProtocolViolation(
+                    f"hello sent by process {w.peer_pid}, which is not the worker ({msg.pid})"
+                )
             catalog = {t["name"]: t for t in msg.tools}
             for name, desc in catalog.items():
                 known = self._catalog.get(name)
@@ -1428,6 +1449,9 @@ class Pool:
             return
         if kind == "spawned":
             w.pid = int(event["pid"])
+            if w.peer_pid is not None and w.peer_pid != w.pid and w.hello_event.is_set():
+                # Its hello (handled before this report) came from another process.
+                self._quarantine(w, f"hello sent by process {w.peer_pid}, not the worker")
             w.start_method = str(event.get("method", "spawn"))
         elif kind == "fork_unavailable":
             if not self._fork_warned:
@@ -1544,6 +1568,19 @@ class Pool:
 
     def __repr__(self) -> str:
         return f"<toolpool.Pool {self.tools_spec!r} workers={self.size} {self._state}>"
+
+
+def _peer_pid(frame: zmq.Frame) -> int | None:
+    """The pid of the process that sent ``frame`` over ipc (libzmq reports the peer's
+    credentials as ``localhost:uid:gid:pid`` where the kernel gives them), or None."""
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    if not isinstance(address, str):
+        return None
+    tail = address.rpartition(":")[2]
+    return int(tail) if tail.isdigit() and address.count(":") == 3 else None
 
 
 def _describe_exit(
