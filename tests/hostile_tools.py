@@ -229,3 +229,15 @@ def find_in_memory(pattern: str) -> dict[str, int]:
             except OSError:
                 continue
     return {"environ": in_environ, "memory": in_memory}
+
+
+@registry.tool
+def make_sysv_shm(key: int) -> int:
+    """Create a System V shared memory segment under ``key`` (mode 0666): its id."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    shmid = int(libc.shmget(ctypes.c_int(key), ctypes.c_size_t(4096), 0o1000 | 0o666))
+    if shmid < 0:
+        raise OSError(ctypes.get_errno(), "shmget")
+    return shmid

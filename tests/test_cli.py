@@ -67,20 +67,21 @@ def test_doctor_reports_layer_by_layer() -> None:
     done = toolpool("doctor", "--profile", "default", "--no-cgroups")
     assert done.returncode == 0, done.stderr
     assert "profile: default" in done.stdout
-    for layer in ("session", "subreaper", "cgroup_kill", "rlimits", "uid", "scratch_dir"):
+    for layer in ("session", "subreaper", "cgroup_kill", "rlimits", "ipcns", "uid", "scratch_dir"):
         assert f"  {layer} " in done.stdout
     assert "disabled by the profile" in done.stdout
 
 
 def test_profile_options_map_to_the_profile() -> None:
     argv = "doctor --profile default --memory 256MiB --cpu-time 10s --max-processes 32"
-    argv += " --no-network --user per-worker --no-cgroups"
+    argv += " --no-network --user per-worker --no-cgroups --private-ipc"
     ns = _parser().parse_args(argv.split())
     profile = _profile(ns)
     assert profile.memory == 256 * 1024**2
     assert profile.cpu_time == 10.0
     assert profile.max_processes == 32
     assert profile.network is False
+    assert profile.private_ipc is True
     assert profile.user == "per-worker"
     assert profile.disable == frozenset({"cgroups"})
     assert _profile(_parser().parse_args(["doctor", "--user", "same"])).user is None

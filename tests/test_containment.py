@@ -94,7 +94,7 @@ async def test_untrusted_profile_activates_every_layer_this_machine_has() -> Non
     active = {layer.name for layer in report.layers if layer.active}
     expected = {"session", "subreaper", "pidfd", "rlimits", "netns", "scratch_dir"}
     expected |= {"env_allowlist", "landlock", "cgroup_kill", "cgroup_memory", "cgroup_pids"}
-    expected |= {"uid"}
+    expected |= {"uid", "ipcns"}
     assert expected <= active, report.format()
     assert report.profile == "untrusted"
     assert "layers:" in report.format()
@@ -411,6 +411,34 @@ async def test_only_what_the_worker_imports_is_uncovered(tmp_path: Path) -> None
     assert f"{private} hidden" in detail
 
 
+def _sysv_keys() -> set[int]:
+    with open("/proc/sysvipc/shm") as f:
+        next(f)
+        return {int(line.split()[0]) for line in f}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("private", [True, False], ids=["private-ipc", "shared-ipc"])
+async def test_sysv_ipc_objects_stay_in_the_workers_ipc_namespace(private: bool) -> None:
+    key = 0x7A000000 + os.getpid() % 0xFFFF
+    profile = Profile.default().with_limits(private_ipc=private)
+    try:
+        async with toolpool.Pool(PROBES, workers=1, profile=profile) as pool:
+            made = await pool.call("make_sysv_shm", {"key": key})
+            assert made.ok, made
+            visible_here = key in _sysv_keys()
+            layer = _layer(pool, "ipcns")
+    finally:
+        if key in _sysv_keys():  # the shared case: remove what the tool left in ours
+            subprocess.run(["ipcrm", "-M", str(key)], check=False, capture_output=True)
+    if private:
+        assert layer.active or not IS_ROOT, layer  # root can always unshare it
+        assert visible_here is not layer.active
+    else:
+        assert not layer.active
+        assert visible_here  # the control: without the layer the segment outlives the worker
+
+
 def test_a_uid_change_that_fails_half_way_stops_the_worker() -> None:
     """Once begun, a failed change is fatal: the worker never runs tools half-changed."""
     script = textwrap.dedent(
@@ -448,6 +476,24 @@ def test_a_uid_change_without_capabilities_is_reported(monkeypatch: pytest.Monke
     report = apply_profile(Profile(core_dumps=True, scratch_dir=False, user="per-worker"), [])
     assert report["uid"][0] is False
     assert "CAP_SETUID" in report["uid"][1]
+
+
+def test_a_requested_layer_that_is_not_active_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What the first worker reports is checked against what the profile asked for."""
+    profile = Profile.default().with_limits(user="per-worker", private_ipc=True)
+    pool = toolpool.Pool(HOSTILE, workers=1, profile=profile)  # never started
+    pool._worker_layers = {
+        "uid": [False, "changing uid needs root; running as uid 1000"],
+        "ipcns": [True, "own IPC namespace"],
+        "rlimits": [True, "core=0"],
+    }
+    with caplog.at_level("WARNING", logger="toolpool"):
+        pool._warn_inactive_layers()
+    assert "asks for uid, which is not active: changing uid needs root" in caplog.text
+    assert "ipcns" not in caplog.text
+    assert "landlock" not in caplog.text  # not asked for
 
 
 def test_a_uid_change_without_root_is_reported_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:

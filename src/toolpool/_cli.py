@@ -24,6 +24,9 @@ def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
     cmd.add_argument("--max-file-size", help="largest file a tool may write, e.g. 64MiB")
     cmd.add_argument("--no-network", action="store_true", help="an empty network namespace")
     cmd.add_argument(
+        "--private-ipc", action="store_true", help="an IPC namespace of its own per worker"
+    )
+    cmd.add_argument(
         "--user",
         help="run workers as: 'per-worker' (a uid each), a user name or uid, or 'same' "
         "(the supervisor's); needs root",
@@ -111,6 +114,8 @@ def _profile(ns: argparse.Namespace) -> Any:
     }
     if ns.no_network:
         changes["network"] = False
+    if ns.private_ipc:
+        changes["private_ipc"] = True
     if ns.user is not None:
         changes["user"] = (
             None if ns.user == "same" else int(ns.user) if ns.user.isdigit() else ns.user

@@ -21,6 +21,7 @@ from ._profile import Profile
 
 __all__ = ("apply_profile",)
 
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 
@@ -56,6 +57,14 @@ def _unshare_network(allow_userns: bool = True) -> str:
     with open("/proc/self/gid_map", "w") as f:
         f.write(f"{gid} {gid} 1")
     return "own empty network namespace (in a user namespace)"
+
+
+def _unshare_ipc(report: dict[str, list[Any]]) -> bool:
+    if _libc().unshare(CLONE_NEWIPC) == 0:
+        report["ipcns"] = [True, "own IPC namespace: System V IPC and message queues die with it"]
+        return True
+    report["ipcns"] = [False, f"unshare(CLONE_NEWIPC): {os.strerror(ctypes.get_errno())}"]
+    return False
 
 
 def apply_profile(
@@ -112,6 +121,8 @@ def apply_profile(
             report["netns"] = [False, str(exc)]
             netns_later = profile.user is not None
 
+    ipc_later = profile.private_ipc and not _unshare_ipc(report)
+
     if profile.user is not None:
         from ._identity import LayerUnavailable, drop_privileges
 
@@ -132,6 +143,8 @@ def apply_profile(
             report["netns"] = [True, _unshare_network()]
         except OSError as exc:
             report["netns"] = [False, str(exc)]
+    if ipc_later:  # inside the user namespace the network fallback made, if it did
+        _unshare_ipc(report)
 
     if profile.landlock:
         from ._landlock import restrict

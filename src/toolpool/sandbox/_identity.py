@@ -266,7 +266,7 @@ def drop_privileges(
     if missing:
         raise LayerUnavailable(f"root without {', '.join(missing)}")
     own = [p for p in own if os.path.exists(p)]
-    needed = [*needed_paths(tools_module), *{os.path.dirname(p) for p in own}]
+    needed = [*needed_paths(tools_module), *({os.path.dirname(p) for p in own} - set(own))]
     try:
         covered, unreachable = make_reachable(needed, uid, gid, interpreter_paths())
     except PermissionError as exc:  # no CAP_SYS_ADMIN for a mount namespace (a container)

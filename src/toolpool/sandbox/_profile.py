@@ -28,6 +28,7 @@ LAYERS: Final = (
     "cgroup_pids",
     "rlimits",
     "netns",
+    "ipcns",
     "landlock",
     "uid",
     "scratch_dir",
@@ -138,6 +139,9 @@ class Profile:
     """Whether crashing tools may write core dumps (off: RLIMIT_CORE=0)."""
     network: bool = True
     """False: the worker gets an empty network namespace (no network at all)."""
+    private_ipc: bool = False
+    """True: the worker gets its own IPC namespace, so System V IPC objects and POSIX message
+    queues a tool creates are invisible to every other process and die with the worker."""
     scratch_dir: bool = True
     """Run each worker in a private scratch directory, removed after it exits."""
     landlock: bool = False
@@ -188,9 +192,9 @@ class Profile:
     def untrusted(cls) -> Profile:
         """Every layer on, with documented limits: 512 MiB and 256 processes per worker tree,
         60 CPU-seconds and 256 open files per process, 64 MiB files, no network, a scratch
-        directory, a read-only filesystem elsewhere (Landlock), no signals to processes outside
-        the sandbox, a uid of its own per worker (where the supervisor is root), and an
-        environment reduced to :data:`DEFAULT_ENV_ALLOWLIST`."""
+        directory, a private IPC namespace, a read-only filesystem elsewhere (Landlock), no
+        signals to processes outside the sandbox, a uid of its own per worker (where the
+        supervisor is root), and an environment reduced to :data:`DEFAULT_ENV_ALLOWLIST`."""
         return cls(
             name="untrusted",
             memory=512 * 1024**2,
@@ -199,6 +203,7 @@ class Profile:
             max_open_files=256,
             max_file_size=64 * 1024**2,
             network=False,
+            private_ipc=True,
             landlock=True,
             env_allowlist=DEFAULT_ENV_ALLOWLIST,
             user=PER_WORKER,
@@ -249,6 +254,7 @@ class Profile:
             "max_file_size": size(self.max_file_size),
             "core_dumps": "on" if self.core_dumps else "off",
             "network": "on" if self.network else "off",
+            "ipc": "private" if self.private_ipc else "shared",
             "scratch_dir": "on" if self.scratch_dir else "off",
             "filesystem": "read-only but scratch" if self.landlock else "unrestricted",
             "environment": "inherited" if self.env_allowlist is None else "allowlist",

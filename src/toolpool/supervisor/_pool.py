@@ -683,6 +683,24 @@ class Pool:
                 "the profile requires containment layers this machine lacks: " + "; ".join(missing)
             )
 
+    def _warn_inactive_layers(self) -> None:
+        """Say once, loudly, which layers the profile asked for that workers could not apply."""
+        profile = self.profile
+        asked = {
+            "netns": not profile.network,
+            "ipcns": profile.private_ipc,
+            "landlock": profile.landlock,
+            "uid": profile.user is not None,
+        }
+        for layer in self.containment().layers:
+            if asked.get(layer.name) and not layer.active:
+                _log.warning(
+                    "profile %r asks for %s, which is not active: %s",
+                    profile.name,
+                    layer.name,
+                    layer.detail,
+                )
+
     def containment(self) -> ContainmentReport:
         """What protects this pool's workers, layer by layer: active or not, and why.
 
@@ -696,7 +714,12 @@ class Pool:
             merged["netns"] = (False, "network allowed by the profile")
         elif "netns" in worker:
             merged["netns"] = (bool(worker["netns"][0]), str(worker["netns"][1]))
-        for layer, wanted in (("landlock", self.profile.landlock), ("uid", self.profile.user)):
+        requested = (
+            ("ipcns", self.profile.private_ipc),
+            ("landlock", self.profile.landlock),
+            ("uid", self.profile.user),
+        )
+        for layer, wanted in requested:
             if wanted is None or wanted is False:
                 merged[layer] = (False, "not requested by the profile")
             elif layer in worker:
@@ -1376,6 +1399,7 @@ class Pool:
             w.catalog = catalog
             if self._worker_layers is None:
                 self._worker_layers = dict(msg.containment)
+                self._warn_inactive_layers()
             w.state = WorkerState.READY
             self._start_failures = 0
             w.hello_event.set()
