@@ -163,6 +163,9 @@ async def test_workers_die_with_their_reaper(start_method: Any) -> None:
         workers = [psutil.Process(pid) for pid in pool.worker_pids()]
         assert len(workers) == 2
         assert all(w.ppid() == reaper for w in workers)
+        cgroups = pool._cgroups
+        bases = sorted(set(cgroups.base.values())) if cgroups is not None else []
+        pool_dir = pool._dir
         os.kill(reaper, signal.SIGKILL)
         _, alive = psutil.wait_procs(workers, timeout=10)
         assert alive == [], "workers outlived their reaper"
@@ -171,3 +174,7 @@ async def test_workers_die_with_their_reaper(start_method: Any) -> None:
     # that nothing can report gone any more (it waited term_grace + 30 s).
     assert time.monotonic() - closing < 10
     assert workers_of_reaper(reaper) == []
+    # What the reaper would have removed, the pool removes: its cgroups (workers' included).
+    assert [b for b in bases if os.path.exists(b)] == []
+    assert pool_dir is not None
+    assert not os.path.exists(pool_dir)

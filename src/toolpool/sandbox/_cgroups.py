@@ -153,9 +153,11 @@ class CgroupSet:
         return WorkerCgroups(dirs)
 
     def remove(self) -> None:
-        """Remove the pool's directories (they must be empty of workers)."""
-        for path in set(self.base.values()):
-            remove(path)
+        """Remove the pool's directories, workers' ones left behind included (when the
+        reaper, which removes those, died first). They must be empty of processes."""
+        for base in set(self.base.values()):
+            for path, _dirs, _files in os.walk(base, topdown=False):
+                remove(path)
 
 
 @dataclass
