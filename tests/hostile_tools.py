@@ -241,3 +241,67 @@ def make_sysv_shm(key: int) -> int:
     if shmid < 0:
         raise OSError(ctypes.get_errno(), "shmget")
     return shmid
+
+
+_KEY_SYSCALLS = {"x86_64": (248, 250), "aarch64": (217, 219)}  # add_key, keyctl
+
+
+@registry.tool
+def add_user_key(description: str, payload: str) -> int:
+    """Add a 'user' key to the uid's user keyring (@u): its serial."""
+    import ctypes
+    import platform
+
+    add_key, _ = _KEY_SYSCALLS[platform.machine()]
+    libc = ctypes.CDLL(None, use_errno=True)
+    data = payload.encode()
+    serial = int(
+        libc.syscall(add_key, b"user", description.encode(), data, len(data), ctypes.c_long(-4))
+    )
+    if serial < 0:
+        raise OSError(ctypes.get_errno(), "add_key")
+    return serial
+
+
+@registry.tool
+def find_user_key(description: str) -> str:
+    """Look for a 'user' key in the uid's user keyring: 'found' or the errno's name."""
+    import ctypes
+    import errno
+    import platform
+
+    _, keyctl = _KEY_SYSCALLS[platform.machine()]
+    libc = ctypes.CDLL(None, use_errno=True)
+    serial = libc.syscall(keyctl, 10, ctypes.c_long(-4), b"user", description.encode(), 0)
+    if serial < 0:
+        return errno.errorcode.get(ctypes.get_errno(), "?")
+    return "found"
+
+
+@registry.tool
+def leave_hidden_leftover(marker: str, how: str) -> int:
+    """Leave a process behind that the worker's own count misses: ``how="patch"`` makes the
+    worker's check say it has no children; ``how="clone_parent"`` starts the process with
+    clone(CLONE_PARENT), so it is the worker's parent's (the reaper's) child, not the worker's.
+    Returns the process's pid."""
+    import ctypes
+    import platform
+    import signal
+    import subprocess
+
+    command = ["/bin/sh", "-c", f"sleep 600; : {marker}"]
+    if how == "patch":
+        import toolpool.worker._main as worker_main
+
+        worker_main._has_children = lambda: False  # type: ignore[attr-defined]
+        return subprocess.Popen(command, start_new_session=True).pid
+    clone = {"x86_64": 56, "aarch64": 220}[platform.machine()]
+    python = ctypes.PyDLL(None)  # holds the GIL across the raw clone
+    python.syscall.restype = ctypes.c_long
+    pid = int(python.syscall(clone, 0x00008000 | signal.SIGCHLD, 0, 0, 0, 0))  # CLONE_PARENT
+    if pid == 0:
+        try:
+            os.execv(command[0], command)
+        finally:
+            os._exit(1)
+    return pid

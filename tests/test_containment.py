@@ -163,7 +163,10 @@ async def test_background_processes_survive_their_call_only_when_allowed() -> No
 
 def _marked(marker: str) -> list[int]:
     return [
-        p.pid for p in psutil.process_iter(["cmdline"]) if marker in (p.info.get("cmdline") or [])
+        p.pid
+        for p in psutil.process_iter(["cmdline", "status"])
+        if p.info.get("status") != psutil.STATUS_ZOMBIE
+        and any(marker in arg for arg in p.info.get("cmdline") or [])
     ]
 
 
@@ -409,6 +412,41 @@ async def test_only_what_the_worker_imports_is_uncovered(tmp_path: Path) -> None
     assert other.value == "ENOENT"
     assert "probe_registry_mod.py" in mine.value
     assert f"{private} hidden" in detail
+
+
+@pytest.mark.anyio
+@needs_root
+async def test_keys_an_earlier_worker_of_the_uid_left_are_gone() -> None:
+    """Kernel keyrings belong to the uid and outlive its processes; a per-worker uid comes
+    round again with its pid. Every worker empties its uid's keyrings at set-up."""
+    description = f"toolpool-test-{os.getpid()}-{os.urandom(4).hex()}"
+    nobody = Profile.default().with_limits(user="nobody")  # one uid for every worker
+    async with toolpool.Pool(PROBES, workers=1, profile=nobody) as pool:
+        added = await pool.call("add_user_key", {"description": description, "payload": "x"})
+        assert added.ok, added
+        assert (await pool.call("find_user_key", {"description": description})).value == "found"
+        assert "keyrings emptied" in _layer(pool, "uid").detail
+    async with toolpool.Pool(PROBES, workers=1, profile=nobody) as pool:
+        later = await pool.call("find_user_key", {"description": description})
+    assert later.value == "ENOKEY"
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not IS_ROOT, reason="cgroups need root here")
+@pytest.mark.parametrize("how", ["patch", "clone_parent"])
+async def test_a_leftover_the_worker_does_not_report_is_still_killed(how: str) -> None:
+    """Whether a call left processes behind is not the worker's word alone: its cgroup says
+    who is in its tree, and the reaper kills every member but the worker before settling."""
+    marker = f"toolpool-test-{os.getpid()}-hidden-{how}"
+    async with toolpool.Pool(PROBES, workers=1) as pool:
+        result = await pool.call("leave_hidden_leftover", {"marker": marker, "how": how})
+        assert result.ok, result
+        assert result.leftovers_killed == 2  # the shell and its sleep
+        assert _marked(marker) == []  # gone before the call settled
+        after = await pool.call("pid")
+        assert after.ok
+        assert after.leftovers_killed == 0
+    assert _marked(marker) == []
 
 
 def _sysv_keys() -> set[int]:

@@ -112,7 +112,8 @@ VIOLATIONS = {
     "garbage": "protocol violation: undecodable frame",
     "truncated": "protocol violation: undecodable frame",
     "not_an_array": "protocol violation: a frame is an array",
-    "multipart_garbage": "protocol violation: undecodable frame",
+    # Its first part is a pong, which no worker may send unasked: refused before the garbage.
+    "multipart_garbage": "protocol violation: a pong it was not asked for",
     "oversized": "its connection dropped",
     "unknown_type": "protocol violation: unknown message type",
     "wrong_arity": "protocol violation: 'started' takes 1 fields",
@@ -228,22 +229,21 @@ async def test_a_second_result_for_a_settled_call_kills_the_worker(
 
 @pytest.mark.anyio
 async def test_a_flood_of_unsolicited_pongs_does_not_stop_the_supervisor() -> None:
+    """The supervisor sends no pings: the first unsolicited pong is a violation, so a flood of
+    them costs nothing (it once cost the supervisor half a core and delayed other workers)."""
     async with toolpool.Pool(TOOLS, workers=2, max_frame=MAX_FRAME) as pool:
-        began = time.monotonic()
         flood = pool.submit("flood_pongs", {"seconds": 6.0})
+        with anyio.fail_after(20):
+            flooded = await flood
+        assert flooded.outcome is Outcome.WORKER_LOST
+        assert flooded.error is not None
+        assert "a pong it was not asked for" in flooded.error
         for i in range(3):
             with anyio.fail_after(10):
                 result = await pool.call("echo", {"value": i})
             assert result.outcome is Outcome.OK
             assert result.value == i
-        # Served while the flood went on, not after it.
-        assert time.monotonic() - began < 4.5
-        assert not flood.done()
-        with anyio.fail_after(20):
-            flooded = await flood
-        assert flooded.outcome is Outcome.OK  # pongs are harmless: no violation
-        assert flooded.value > 0
-        assert dict(pool.statistics().settled) == {"ok": 4}
+        assert dict(pool.statistics().settled) == {"ok": 3, "worker_lost": 1}
 
 
 @pytest.mark.anyio

@@ -17,6 +17,7 @@ __all__ = (
     "CgroupSet",
     "WorkerCgroups",
     "cgroup_kill",
+    "members",
     "oom_kills",
     "populated",
     "remove",
@@ -258,3 +259,15 @@ def oom_kills(dirs: Iterable[str]) -> int:
             except (OSError, ValueError):
                 continue
     return 0
+
+
+def members(dirs: Iterable[str]) -> set[int]:
+    """The pids listed in the ``cgroup.procs`` of each of ``dirs`` that has one."""
+    found: set[int] = set()
+    for directory in dirs:
+        try:
+            with open(os.path.join(directory, "cgroup.procs")) as f:
+                found.update(int(p) for p in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return found

@@ -63,6 +63,10 @@ MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
 PR_CAPBSET_DROP = 24
+_KEYCTL = {"x86_64": 250, "aarch64": 219}
+KEYCTL_CLEAR = 7
+KEY_SPEC_USER_KEYRING = -4
+KEY_SPEC_USER_SESSION_KEYRING = -5
 CAP_CHOWN, CAP_SETGID, CAP_SETUID, CAP_SYS_ADMIN = 0, 6, 7, 21
 
 
@@ -297,8 +301,25 @@ def drop_privileges(
         raise _fatal(f"supplementary groups {os.getgroups()} remain")
     if _capabilities():
         raise _fatal(f"effective capabilities {_capabilities():#x} remain")
+    cleared = _clear_user_keyrings()
     hidden = f"; {', '.join(covered)} hidden but for what the worker needs" if covered else ""
     if unreachable:
         hidden += f"; not readable by it, left out of its view: {', '.join(unreachable)}"
     kind = "own uid" if user == PER_WORKER else "uid"
-    return f"{kind} {uid} (gid {gid}), no capabilities, no new privileges{hidden}"
+    keys = ", its keyrings emptied" if cleared else ""
+    return f"{kind} {uid} (gid {gid}), no capabilities, no new privileges{keys}{hidden}"
+
+
+def _clear_user_keyrings() -> bool:
+    """Empty the uid's kernel keyrings: they outlive processes, so keys an earlier worker with
+    this uid left (a pid, hence a per-worker uid, comes round again) must not reach this one."""
+    import platform
+
+    number = _KEYCTL.get(platform.machine())
+    if number is None:
+        return False
+    libc = _libc()
+    return all(
+        libc.syscall(number, KEYCTL_CLEAR, ctypes.c_long(ring)) == 0
+        for ring in (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING)
+    )

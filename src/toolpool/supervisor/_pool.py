@@ -303,6 +303,7 @@ async def _await_call(call: Call) -> Result:
 
 class _Worker:
     __slots__ = (
+        "acks_expected",
         "awaiting_fatal",
         "call",
         "catalog",
@@ -316,6 +317,8 @@ class _Worker:
         "gone_event",
         "hello_event",
         "last_call_id",
+        "members_fd",
+        "members_file",
         "oom_kills",
         "peak_file",
         "peer_pid",
@@ -341,6 +344,9 @@ class _Worker:
         self.start_method = "spawn"  # how the reaper started it: "spawn" or "fork"
         self.call: Call | None = None
         self.last_call_id: int | None = None
+        self.acks_expected: set[int] = set()  # calls it was sent a cancel for, not yet acked
+        self.members_file: str | None = None  # its cgroup's cgroup.procs: who is in its tree
+        self.members_fd: int | None = None  # the same, kept open (v2: pread re-reads it)
         self.catalog: dict[str, dict[str, Any]] = {}
         self.exit_status: int | None = None
         self.fatal: str | None = None
@@ -945,6 +951,7 @@ class Pool:
             return
         if call._rung is Rung.NONE:
             self._raise_rung(call, Rung.CANCEL)
+            w.acks_expected.add(call.id)
             self._send(w, encode(Cancel(call.id, call._cause.kind)))
         if not call._laddering and self._tg is not None:
             call._laddering = True
@@ -1094,6 +1101,7 @@ class Pool:
         if w is not None and w.call is call:
             w.call = None
             w.last_call_id = call.id
+            w.acks_expected &= {call.id}  # an ack may still be on its way, no older one
         if call._event is not None:
             call._event.set()
         if call._started_event is not None:
@@ -1146,12 +1154,19 @@ class Pool:
         cleanup: list[str] = [sock_dir]
         procs: list[str] = []
         kill_dir: str | None = None
+        groups: list[str] = []
         if self._cgroups is not None and self._cgroups.base:
             wc = self._cgroups.for_worker(
                 wid, memory=profile.memory, max_processes=profile.max_processes
             )
             procs = wc.procs_files
             kill_dir = wc.kill_dir
+            groups = sorted(set(wc.dirs.values()))
+            if kill_dir is not None:  # v2 regenerates cgroup.procs on each read from 0
+                w.members_file = os.path.join(kill_dir, "cgroup.procs")
+                w.members_fd = os.open(w.members_file, os.O_RDONLY | os.O_CLOEXEC)
+            elif procs:  # v1 caches the list per open file: open it each time
+                w.members_file = procs[0]
             cleanup.extend(sorted(set(wc.dirs.values())))
             memory_dir = wc.dirs.get("memory", "/nonexistent")
             peak = os.path.join(memory_dir, "memory.max_usage_in_bytes")
@@ -1190,6 +1205,7 @@ class Pool:
             output=self.worker_output,
             cwd=scratch,
             cgroup=kill_dir,
+            groups=groups,
             cleanup=cleanup,
             start=self.start_method,
         )
@@ -1283,6 +1299,9 @@ class Pool:
             monitor.close(linger=0)
 
     def _close_worker(self, w: _Worker) -> None:
+        if w.members_fd is not None:
+            os.close(w.members_fd)
+            w.members_fd = None
         if not w.sock.closed:
             # Stop the monitor before anything closes: libzmq's I/O thread blocks for good
             # on a monitor event whose reader is gone, freezing every socket of the context.
@@ -1345,7 +1364,13 @@ class Pool:
                 output_dropped=msg.extras.get("output_dropped", 0),
                 tree_max_memory=_read_int(w.peak_file),
             )
-            if msg.leftovers and not self.allow_background and self._reaper is not None:
+            leftovers = msg.leftovers
+            if not leftovers and not self.allow_background and w.members_file is not None:
+                # The worker's count is its tool's claim; its cgroup is not: any process in it
+                # but the worker (a child re-parented away with clone(CLONE_PARENT), or one a
+                # tool hid by patching the worker) is left over too.
+                leftovers = _other_members(w)
+            if leftovers and not self.allow_background and self._reaper is not None:
                 # The call left processes behind: kill them before settling, so the result
                 # can say how many, and the next call never inherits them.
                 w.pending = settle
@@ -1368,11 +1393,14 @@ class Pool:
             if call._started_event is not None:
                 call._started_event.set()
         elif isinstance(msg, CancelAck):
+            # One per cancel it was sent, for its current or just-settled call: anything else
+            # is a violation (a flood of acks would otherwise cost the supervisor for free).
+            if msg.call_id not in w.acks_expected:
+                raise ProtocolViolation(f"cancel_ack for call {msg.call_id}, which it was not sent")
+            w.acks_expected.discard(msg.call_id)
             call = w.call
             if call is not None and call.id == msg.call_id:
                 call._times.setdefault("cancel_delivered", time.monotonic())
-            elif msg.call_id != w.last_call_id:
-                raise ProtocolViolation(f"cancel_ack for call {msg.call_id}, which it does not own")
         elif isinstance(msg, Hello):
             if w.state is not WorkerState.SPAWNING:
                 raise ProtocolViolation("a second hello")
@@ -1417,7 +1445,9 @@ class Pool:
             w.fatal = msg.error
             self._start_failure(w, msg.error)
         elif isinstance(msg, Pong):
-            pass
+            # The supervisor sends no pings: every pong is unsolicited. Harmless alone, but a
+            # flood of them would cost the supervisor CPU and delay every other worker.
+            raise ProtocolViolation("a pong it was not asked for")
         else:  # pragma: no cover - decode_from_worker returns only the types above
             raise ProtocolViolation(f"unexpected message {type(msg).__name__}")
 
@@ -1592,6 +1622,23 @@ class Pool:
 
     def __repr__(self) -> str:
         return f"<toolpool.Pool {self.tools_spec!r} workers={self.size} {self._state}>"
+
+
+def _other_members(w: _Worker) -> int:
+    """How many processes other than the worker its cgroup lists (1 us with the v2 file kept
+    open; about 10 us opening it)."""
+    try:
+        if w.members_fd is not None:
+            members = os.pread(w.members_fd, 1 << 16, 0).split()
+        elif w.members_file is not None:
+            with open(w.members_file, "rb") as f:
+                members = f.read().split()
+        else:
+            return 0
+    except OSError:
+        return 0
+    own = str(w.pid).encode()
+    return sum(1 for member in members if member != own)
 
 
 def _peer_pid(frame: zmq.Frame) -> int | None:

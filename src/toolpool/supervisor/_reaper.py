@@ -138,13 +138,15 @@ class ReaperClient:
         cgroup: str | None = None,
         cleanup: list[str] | None = None,
         start: str = "spawn",
+        groups: list[str] | None = None,
     ) -> None:
         """Ask for a worker process; answered by ``spawned`` or ``spawn_failed``.
 
         ``cgroup`` is the worker's v2 cgroup (``cgroup.kill`` is its kill barrier);
-        ``cleanup`` lists directories to remove once its tree is gone. ``start="fork"`` forks
-        the worker from the reaper's template when it can (``fork_unavailable`` says why not,
-        and the worker is spawned instead).
+        ``cleanup`` lists directories to remove once its tree is gone; ``groups`` its cgroup
+        directories (whose members a clean-up kills, whose OOM count an exit reports).
+        ``start="fork"`` forks the worker from the reaper's template when it can
+        (``fork_unavailable`` says why not, and the worker is spawned instead).
         """
         self.send(
             op="spawn",
@@ -157,6 +159,7 @@ class ReaperClient:
             output=output,
             cgroup=cgroup,
             cleanup=cleanup or [],
+            groups=groups or [],
         )
 
     def preload(self, paths: list[str]) -> None:

@@ -112,6 +112,7 @@ class Reaper:
         self.workers: dict[int, int] = {}  # pid -> wid, live (not yet reaped) workers
         self.kill_dirs: dict[int, str] = {}  # wid -> its v2 cgroup (the kill barrier)
         self.cleanup: dict[int, list[str]] = {}  # wid -> directories to remove when gone
+        self.groups: dict[int, list[str]] = {}  # wid -> its cgroup directories
         self.pending_gone: list[int] = []  # wids reaped whose orphans may still live
         self.stuck: set[int] = set()  # wids whose cgroup would not empty yet
         self.owned: list[str] = []  # the pool's directories, removed when the reaper exits
@@ -169,10 +170,7 @@ class Reaper:
         except OSError as exc:
             self.send(ev="spawn_failed", wid=wid, error=f"{type(exc).__name__}: {exc}")
             return
-        self.workers[proc.pid] = wid
-        if msg.get("cgroup"):
-            self.kill_dirs[wid] = msg["cgroup"]
-        self.cleanup[wid] = list(msg.get("cleanup") or [])
+        self._record(wid, proc.pid, msg)
         assert proc.stdin is not None
         try:
             proc.stdin.write(msg["stdin"].encode())
@@ -207,11 +205,17 @@ class Reaper:
             self._become_worker(msg, stdin_r)  # never returns
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(stdin_r)
+        self._record(wid, pid, msg)
+        self.send(ev="spawned", wid=wid, pid=pid, method="fork")
+
+    def _record(self, wid: int, pid: int, msg: dict[str, Any]) -> None:
+        """A worker started: remember it, its cgroups (ours, never a path the worker could
+        write) and what to remove once its tree is gone."""
         self.workers[pid] = wid
         if msg.get("cgroup"):
             self.kill_dirs[wid] = msg["cgroup"]
+        self.groups[wid] = [str(d) for d in msg.get("groups") or []]
         self.cleanup[wid] = list(msg.get("cleanup") or [])
-        self.send(ev="spawned", wid=wid, pid=pid, method="fork")
 
     def _become_worker(self, msg: dict[str, Any], stdin_r: int) -> NoReturn:
         """In the forked child: reset what ``subprocess`` would (file descriptors, signals,
@@ -258,17 +262,31 @@ class Reaper:
             self.send(ev="killed", wid=wid, rounds=rounds)
 
     def clean(self, wid: int) -> None:
-        """Kill what a finished call left behind: every descendant, not the worker itself."""
+        """Kill what a finished call left behind: every descendant, and every other process in
+        the worker's cgroups (one a tool re-parented away from the worker with
+        clone(CLONE_PARENT) is ours, not the worker's, but stays in its cgroup); never the
+        worker itself."""
         pid = self._pid_of(wid)
         killed: set[int] = set()
         if pid is not None:
+            groups = self.groups.get(wid, [])
             for _ in range(10_000):
                 alive = [p for p in _descendants(pid) if not _is_zombie(p)]
+                alive_pids = {p.pid for p in alive}
+                for member in cgroups.members(groups):
+                    if member != pid and member not in alive_pids:
+                        try:
+                            proc = psutil.Process(member)
+                        except psutil.Error:
+                            continue
+                        if not _is_zombie(proc):
+                            alive.append(proc)
                 if not alive:
                     break
                 for proc in alive:
                     killed.add(proc.pid)
                     _signal(proc, signal.SIGKILL)
+                self.reap()  # ours (re-parented ones) must leave the cgroup too
         self.send(ev="cleaned", wid=wid, count=len(killed))
 
     def _pid_of(self, wid: int) -> int | None:
@@ -292,7 +310,7 @@ class Reaper:
                 code = os.waitstatus_to_exitcode(status)
                 # Read now: the cgroup is removed once the tree is gone, maybe before the
                 # supervisor handles this event.
-                ooms = cgroups.oom_kills(self.cleanup.get(wid, ())) if code == -9 else 0
+                ooms = cgroups.oom_kills(self.groups.get(wid, ())) if code == -9 else 0
                 self.send(ev="exited", wid=wid, pid=pid, status=code, oom_kills=ooms)
                 self.pending_gone.append(wid)
         if self.pending_gone or self.closing:
@@ -339,6 +357,7 @@ class Reaper:
             if cgroups.populated(kill_dir):
                 return False
             self.kill_dirs.pop(wid, None)
+        self.groups.pop(wid, None)
         for path in self.cleanup.pop(wid, []):
             if os.path.basename(path).startswith("scratch"):
                 shutil.rmtree(path, ignore_errors=True)
