@@ -674,6 +674,33 @@ async def test_group_left_by_an_exception_cancels_its_calls_with_cause_parent() 
         assert result.cause == PARENT
 
 
+async def test_a_cancelled_groups_queued_call_is_never_dispatched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """C5.2, found under load: cancelling a group's running call could settle it at once,
+    free its worker and dispatch the group's next queued call before the group's cancel
+    reached that call, which then ran. Whatever the order, a queued call of a cancelled group
+    settles as aborted_before_dispatch and never reaches a worker."""
+    # The worst order: the group is cancelled, but before its queued call is reached, its
+    # running call settles and frees the worker (here: the group reaches none of its calls).
+    monkeypatch.setattr(toolpool.Group, "_on_cancel", lambda self, cause: None)
+    async with Readiness.open() as ready, running_pool(workers=1) as pool:
+        group = pool.group()
+        running = group.submit("ready_nap", {"ready": ready.path, "seconds": 60})
+        await ready.started()
+        queued = group.submit("echo", {"value": 1})
+        group.cancel()
+        running.cancel()
+        result = await running
+        assert result.outcome is Outcome.ABORTED
+        with anyio.fail_after(10):
+            skipped = await queued
+        assert skipped.outcome is Outcome.ABORTED_BEFORE_DISPATCH
+        assert skipped.cause == {"kind": "user"}
+        assert skipped.body_started is False
+        assert skipped.timeline.dispatched is None
+
+
 async def test_pool_close_with_calls_running() -> None:
     marker = new_marker()
     # allow_background: the daemon a finished call leaves behind lives on until the close.

@@ -265,7 +265,9 @@ class Group:
         return self._controller.cancel(cause)
 
     def _on_cancel(self, cause: CancelCause) -> None:
-        for call in list(self._calls):
+        # Queued calls first: cancelling a running one can settle it at once (its worker
+        # answered already), which frees the worker for the next queued call.
+        for call in sorted(self._calls, key=lambda c: c._state is not _CallState.QUEUED):
             self._pool._cancel_call(call, cause, force=False)
 
     async def wait(self) -> None:
@@ -893,6 +895,10 @@ class Pool:
                 return  # the rest are warm spares: at most `workers` calls at once
             call = self._queue.popleft()
             if call._state is not _CallState.QUEUED:
+                continue
+            group = call._group
+            if group is not None and group.cancelled:  # C5.2: never dispatched after its cancel
+                self._cancel_call(call, group.signal.reason or _PARENT, force=False)
                 continue
             w = self._ready.pop()
             if w.state is not WorkerState.READY or w.gone:

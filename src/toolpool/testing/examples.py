@@ -87,9 +87,13 @@ def spawn_daemon(marker: str = "toolpool-daemon", seconds: float = 3600.0) -> in
             os._exit(0)
     os.close(write_fd)
     os.waitpid(pid, 0)
-    daemon = int(os.read(read_fd, 32) or b"0")
+    # Read until the end: the pipe is close-on-exec, so the end comes once the daemon has
+    # exec'd (its command line then carries the marker) or died; never before.
+    data = b""
+    while chunk := os.read(read_fd, 32):
+        data += chunk
     os.close(read_fd)
-    return daemon
+    return int(data or b"0")
 
 
 @registry.tool
