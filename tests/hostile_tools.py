@@ -305,3 +305,12 @@ def leave_hidden_leftover(marker: str, how: str) -> int:
         finally:
             os._exit(1)
     return pid
+
+
+@registry.tool
+def write_here(name: str, text: str) -> str:
+    """Write ``text`` to ``name`` in the working directory; read it back."""
+    with open(name, "w") as f:
+        f.write(text)
+    with open(name) as f:
+        return f.read()

@@ -477,6 +477,24 @@ async def test_sysv_ipc_objects_stay_in_the_workers_ipc_namespace(private: bool)
         assert visible_here  # the control: without the layer the segment outlives the worker
 
 
+@pytest.mark.anyio
+@needs_root
+async def test_a_pool_directory_under_a_closed_directory_still_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool's directory under a directory the worker's uid may not search (pytest's own
+    temporary directories are 0700): its socket is reachable and its scratch writable."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    async with toolpool.Pool(PROBES, workers=1, profile=PER_WORKER_UID) as pool:
+        assert pool._dir is not None
+        assert pool._dir.startswith(str(tmp_path))
+        written = await pool.call("write_here", {"name": "note.txt", "text": "scratch works"})
+        assert written.value == "scratch works", written
+        assert _layer(pool, "uid").active
+
+
 def test_a_uid_change_that_fails_half_way_stops_the_worker() -> None:
     """Once begun, a failed change is fatal: the worker never runs tools half-changed."""
     script = textwrap.dedent(

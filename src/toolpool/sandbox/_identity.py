@@ -186,14 +186,21 @@ def _first_blocked(path: str, uid: int, gid: int) -> tuple[str, str] | None:
 
 
 def make_reachable(
-    paths: Iterable[str], uid: int, gid: int, essential: set[str] | None = None
+    paths: Iterable[str],
+    uid: int,
+    gid: int,
+    essential: set[str] | None = None,
+    writable: Iterable[str] = (),
 ) -> tuple[list[str], list[str]]:
     """In a new private mount namespace, make the paths in ``paths`` reachable by uid.
 
-    A path uid may not search itself (a 0700 directory of another user) stays unreachable.
-    Returns the directories that were covered (their other entries are hidden) and the paths
-    left unreachable. Raises OSError if an ``essential`` path cannot be made reachable.
+    What is bound back is read-only, except on the way to a ``writable`` path (the worker's
+    scratch directory, should the pool's directory live under a covered one). A path uid may
+    not search itself (a 0700 directory of another user) stays unreachable. Returns the
+    directories that were covered (their other entries are hidden) and the paths left
+    unreachable. Raises OSError if an ``essential`` path cannot be made reachable.
     """
+    keep_writable = [w.rstrip("/") + "/" for w in writable]
     wanted, unreachable = sorted(set(paths)), []
     namespace = False
     covered: list[str] = []
@@ -225,14 +232,15 @@ def make_reachable(
         # Keep a handle on each needed entry, cover the directory, then put the entries back.
         fds = {c: os.open(os.path.join(directory, c), os.O_PATH | os.O_CLOEXEC) for c in children}
         try:
-            flags = MS_NOSUID | MS_NODEV
-            _mount("toolpool", directory, "tmpfs", flags, "mode=0755,size=64k")
+            _mount("toolpool", directory, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
             for child, fd in sorted(fds.items()):
                 target = os.path.join(directory, child)
                 os.mkdir(target, 0o755)
                 _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC, "")
-                readonly = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
-                _mount(None, target, None, readonly, "")
+                remount = MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV
+                if not any(w.startswith(target + "/") for w in keep_writable):
+                    remount |= MS_RDONLY
+                _mount(None, target, None, remount, "")
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -272,7 +280,7 @@ def drop_privileges(
     own = [p for p in own if os.path.exists(p)]
     needed = [*needed_paths(tools_module), *({os.path.dirname(p) for p in own} - set(own))]
     try:
-        covered, unreachable = make_reachable(needed, uid, gid, interpreter_paths())
+        covered, unreachable = make_reachable(needed, uid, gid, interpreter_paths(), own)
     except PermissionError as exc:  # no CAP_SYS_ADMIN for a mount namespace (a container)
         raise LayerUnavailable(
             f"cannot make the interpreter readable for uid {uid}: {exc}"
