@@ -194,6 +194,12 @@ def connect_unix_others(paths: dict[str, str]) -> dict[str, str]:
 
 
 @registry.tool
+def list_others(paths: dict[str, str]) -> dict[str, list[str] | str]:
+    """``list_directory`` for each path whose key is not this worker's pid, by key."""
+    return {key: list_directory(path) for key, path in paths.items() if key != str(os.getpid())}
+
+
+@registry.tool
 def list_directory(path: str) -> list[str] | str:
     """The entries of ``path``, or the errno's name if it cannot be listed."""
     import errno

@@ -316,9 +316,9 @@ async def test_a_worker_cannot_reach_another_workers_socket_or_files() -> None:
         assert os.stat(own).st_mode & 0o777 == 0o600
         assert os.stat(os.path.dirname(own)).st_mode & 0o777 == 0o700
         assert os.stat(os.path.dirname(own)).st_uid == 2_000_000_000 + probe.worker_pid
-        for other in (p for p in endpoints if p != str(probe.worker_pid)):
-            listing = await pool.call("list_directory", {"path": os.path.dirname(endpoints[other])})
-            assert listing.value == "EACCES" or listing.worker_pid == int(other)
+        dirs = {pid: os.path.dirname(path) for pid, path in endpoints.items()}
+        listing = await pool.call("list_others", {"paths": dirs})
+        assert listing.value == {p: "EACCES" for p in dirs if p != str(listing.worker_pid)}
         listing = await pool.call("list_directory", {"path": os.path.dirname(os.path.dirname(own))})
         assert listing.value == "EACCES"  # the pool's directory: 0711, not listable
 

@@ -1024,11 +1024,10 @@ class Pool:
 
     def _violated(self, w: _Worker, violation: str) -> None:
         """w broke the protocol: quarantine it; before its hello, that is a start failure."""
-        if _spawning(w):
-            self._quarantine(w, violation)
+        spawning = _spawning(w)  # before the quarantine changes its state
+        self._quarantine(w, violation)
+        if spawning:
             self._start_failure(w, violation)
-        else:
-            self._quarantine(w, violation)
 
     def _quarantine(self, w: _Worker, violation: str | None) -> None:
         """Take w out of service for good and kill its tree (C4.2, C7)."""
@@ -1107,7 +1106,8 @@ class Pool:
         if w is not None and w.call is call:
             w.call = None
             w.last_call_id = call.id
-            w.acks_expected &= {call.id}  # an ack may still be on its way, no older one
+            if w.acks_expected:  # an ack may still be on its way for this call, no older one
+                w.acks_expected &= {call.id}
         if call._event is not None:
             call._event.set()
         if call._started_event is not None:
