@@ -26,24 +26,33 @@ import anyio
 import anyio.abc
 import psutil
 
+import toolpool
 from toolpool import Registry, ToolExecution
 from toolpool.testing import examples
 
 __all__ = (
+    "CANCEL_GRACE",
     "EXAMPLES",
+    "TERM_GRACE",
     "TOOLS",
     "Readiness",
     "alive",
+    "assert_pool_closed",
     "find_by_marker",
     "new_marker",
     "pool_processes",
     "process_tree",
     "registry",
+    "running_pool",
     "workers_of_reaper",
 )
 
 EXAMPLES = "toolpool.testing.examples:registry"
 TOOLS = "pool_support:registry"
+#: Grace periods for the escalation tests: long enough for a cooperative tool on a loaded
+#: machine, short enough to keep the suite fast.
+CANCEL_GRACE = 1.0
+TERM_GRACE = 1.0
 
 registry = Registry()
 for _fn in (
@@ -60,6 +69,13 @@ for _fn in (
     examples.pid,
 ):
     registry.add_tool(_fn)
+
+
+@registry.tool
+def tree_size() -> int:
+    """How many processes the worker has below it (a leftover of an earlier call counts)."""
+    return len(psutil.Process().children(recursive=True))
+
 
 #: Not a Registry: a tools spec naming it must fail at pool start.
 not_a_registry = 42
@@ -234,3 +250,38 @@ def workers_of_reaper(reaper_pid: int) -> list[psutil.Process]:
                 found.append(proc)
                 break
     return found
+
+
+# --------------------------------------------------------------------------- pools
+
+
+@asynccontextmanager
+async def running_pool(
+    tools: str = TOOLS,
+    *,
+    workers: int = 1,
+    cancel_grace: float = CANCEL_GRACE,
+    term_grace: float = TERM_GRACE,
+    **kwargs: Any,
+) -> AsyncIterator[toolpool.Pool]:
+    """A started pool; on a normal exit, close it and check it left nothing behind."""
+    pool = toolpool.Pool(
+        tools, workers=workers, cancel_grace=cancel_grace, term_grace=term_grace, **kwargs
+    )
+    async with pool:
+        yield pool
+        procs = pool_processes(pool)
+        reaper_pid = pool.reaper_pid
+    assert reaper_pid is not None
+    assert_pool_closed(pool, procs, reaper_pid)
+
+
+def assert_pool_closed(pool: toolpool.Pool, procs: list[psutil.Process], reaper_pid: int) -> None:
+    """Every process of the pool is gone and every call it took settled."""
+    assert alive(procs) == [], "processes of the pool outlived aclose()"
+    assert workers_of_reaper(reaper_pid) == []
+    assert pool.worker_pids() == []
+    stats = pool.statistics()
+    # (stats.queued is checked in test_statistics_queued_excludes_settled_calls: see there.)
+    assert stats.in_flight == 0
+    assert sum(stats.settled.values()) == stats.submitted

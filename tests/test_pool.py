@@ -16,8 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -26,7 +24,9 @@ import pytest
 
 import toolpool
 from pool_support import (
+    CANCEL_GRACE,
     EXAMPLES,
+    TERM_GRACE,
     TOOLS,
     Readiness,
     alive,
@@ -34,6 +34,7 @@ from pool_support import (
     new_marker,
     pool_processes,
     process_tree,
+    running_pool,
     workers_of_reaper,
 )
 from toolpool import Outcome, Rung
@@ -47,10 +48,6 @@ PARENT = {"kind": "parent"}
 DISPOSED = {"kind": "disposed"}
 TIMEOUT = {"kind": "timeout"}
 
-#: Grace periods for the escalation tests: long enough for a cooperative tool on a loaded
-#: machine, short enough to keep the suite fast.
-CANCEL_GRACE = 1.0
-TERM_GRACE = 1.0
 #: Timestamps are taken in different tasks; allow for clock granularity when comparing.
 EPS = 0.05
 
@@ -59,37 +56,6 @@ EPS = 0.05
 def anyio_backend() -> str:
     """Pool tests run on asyncio only."""
     return "asyncio"
-
-
-@asynccontextmanager
-async def running_pool(
-    tools: str = TOOLS,
-    *,
-    workers: int = 1,
-    cancel_grace: float = CANCEL_GRACE,
-    term_grace: float = TERM_GRACE,
-    **kwargs: Any,
-) -> AsyncIterator[toolpool.Pool]:
-    """A started pool; on a normal exit, close it and check it left nothing behind."""
-    pool = toolpool.Pool(
-        tools, workers=workers, cancel_grace=cancel_grace, term_grace=term_grace, **kwargs
-    )
-    async with pool:
-        yield pool
-        procs = pool_processes(pool)
-        reaper_pid = pool.reaper_pid
-    assert reaper_pid is not None
-    assert_pool_closed(pool, procs, reaper_pid)
-
-
-def assert_pool_closed(pool: toolpool.Pool, procs: list[psutil.Process], reaper_pid: int) -> None:
-    assert alive(procs) == [], "processes of the pool outlived aclose()"
-    assert workers_of_reaper(reaper_pid) == []
-    assert pool.worker_pids() == []
-    stats = pool.statistics()
-    # (stats.queued is checked in test_statistics_queued_excludes_settled_calls: see there.)
-    assert stats.in_flight == 0
-    assert sum(stats.settled.values()) == stats.submitted
 
 
 def assert_tree_gone(procs: list[psutil.Process]) -> None:
@@ -152,7 +118,8 @@ async def test_outcome_error_for_args_the_tool_rejects() -> None:
 
 
 async def test_outcome_aborted_before_dispatch_while_queued() -> None:
-    async with Readiness.open() as ready, running_pool(workers=1) as pool:
+    # prefetch=0: the call waits in the pool's own queue (test_prefetch.py: in a worker's).
+    async with Readiness.open() as ready, running_pool(workers=1, prefetch=0) as pool:
         blocker = pool.submit("ready_nap", {"ready": ready.path, "seconds": 60})
         await ready.started()
         queued = pool.submit("echo", {"value": 1})
@@ -234,7 +201,8 @@ async def test_outcome_timeout_cooperative() -> None:
 
 
 async def test_outcome_timeout_while_queued() -> None:
-    async with Readiness.open() as ready, running_pool() as pool:
+    # prefetch=0: the call waits in the pool's own queue (test_prefetch.py: in a worker's).
+    async with Readiness.open() as ready, running_pool(prefetch=0) as pool:
         blocker = pool.submit("ready_nap", {"ready": ready.path, "seconds": 60})
         await ready.started()
         result = await pool.call("echo", {"value": 1}, timeout=0.2)
@@ -414,7 +382,8 @@ async def test_force_after_a_cooperative_cancel_keeps_the_first_cause() -> None:
 
 
 async def test_cancel_while_queued_leaves_the_others_alone() -> None:
-    async with Readiness.open() as ready, running_pool(workers=1) as pool:
+    # prefetch=0: the call waits in the pool's own queue (test_prefetch.py: in a worker's).
+    async with Readiness.open() as ready, running_pool(workers=1, prefetch=0) as pool:
         blocker = pool.submit("ready_nap", {"ready": ready.path, "seconds": 60})
         await ready.started()
         queued = [pool.submit("echo", {"value": i}) for i in range(3)]
@@ -483,7 +452,8 @@ async def test_first_cancel_wins_running() -> None:
 
 
 async def test_first_cancel_wins_queued_and_group() -> None:
-    async with Readiness.open() as ready, running_pool() as pool:
+    # prefetch=0: the call waits in the pool's own queue (test_prefetch.py: in a worker's).
+    async with Readiness.open() as ready, running_pool(prefetch=0) as pool:
         blocker = pool.submit("ready_nap", {"ready": ready.path, "seconds": 60})
         await ready.started()
         queued = pool.submit("echo")
@@ -552,7 +522,8 @@ async def test_invalid_cause_is_rejected_everywhere(cause: object) -> None:
 
 async def test_statistics_queued_excludes_settled_calls() -> None:
     async with Readiness.open() as ready:
-        async with running_pool(workers=1) as pool:
+        # prefetch=0: the calls wait in the pool's own queue (test_prefetch.py: in a worker's).
+        async with running_pool(workers=1, prefetch=0) as pool:
             blocker = pool.submit("ready_nap", {"ready": ready.path, "seconds": 60})
             await ready.started()
             queued = [pool.submit("echo", {"value": i}) for i in range(3)]
@@ -570,7 +541,8 @@ async def test_statistics_queued_excludes_settled_calls() -> None:
 
 
 async def test_close_never_dispatches_a_queued_call() -> None:
-    pool = toolpool.Pool(EXAMPLES, workers=1)
+    # prefetch=0: the call waits in the pool's own queue (test_prefetch.py: in a worker's).
+    pool = toolpool.Pool(EXAMPLES, workers=1, prefetch=0)
     async with pool:
         first = pool.submit("nap", {"seconds": 0.05})
         queued = pool.submit("echo", {"value": "queued"})
@@ -590,7 +562,8 @@ async def test_close_never_dispatches_a_queued_call() -> None:
 
 
 async def test_group_cancel_over_queued_and_running_calls() -> None:
-    async with Readiness.open() as ready, running_pool(workers=2) as pool:
+    # prefetch=0: the calls wait in the pool's own queue (test_prefetch.py: in a worker's).
+    async with Readiness.open() as ready, running_pool(workers=2, prefetch=0) as pool:
         async with pool.group() as group:
             running = [
                 group.submit("ready_nap", {"ready": ready.path, "seconds": 60}) for _ in range(2)
@@ -650,7 +623,8 @@ async def test_concurrent_groups_are_independent() -> None:
 
 
 async def test_group_left_by_an_exception_cancels_its_calls_with_cause_parent() -> None:
-    async with Readiness.open() as ready, running_pool(workers=1) as pool:
+    # prefetch=0: the call waits in the pool's own queue (test_prefetch.py: in a worker's).
+    async with Readiness.open() as ready, running_pool(workers=1, prefetch=0) as pool:
         group = pool.group()
         calls: list[toolpool.Call] = []
 
@@ -704,12 +678,15 @@ async def test_a_cancelled_groups_queued_call_is_never_dispatched(
 async def test_pool_close_with_calls_running() -> None:
     marker = new_marker()
     # allow_background: the daemon a finished call leaves behind lives on until the close.
+    # prefetch=0: the queued calls wait in the pool's own queue (test_prefetch.py: in a
+    # worker's, where one may be taken up before the close's cancel arrives).
     pool = toolpool.Pool(
         TOOLS,
         workers=3,
         cancel_grace=CANCEL_GRACE,
         term_grace=TERM_GRACE,
         allow_background=True,
+        prefetch=0,
     )
     async with Readiness.open() as ready:
         async with pool:

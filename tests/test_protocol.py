@@ -15,6 +15,7 @@ from toolpool.protocol import (
     DEFAULT_MAX_FRAME,
     OUTCOME_NAMES,
     PROTOCOL_VERSION,
+    Ack,
     Call,
     Cancel,
     CancelAck,
@@ -23,9 +24,12 @@ from toolpool.protocol import (
     Ping,
     Pong,
     ProtocolViolation,
+    Recall,
     Result,
+    Resume,
     Shutdown,
     Started,
+    Withdrawn,
     decode_from_supervisor,
     decode_from_worker,
     encode,
@@ -33,8 +37,8 @@ from toolpool.protocol import (
     unpack_value,
 )
 
-WORKER_TYPES = (Hello, Fatal, Started, CancelAck, Result, Pong)
-SUPERVISOR_TYPES = (Call, Cancel, Ping, Shutdown)
+WORKER_TYPES = (Hello, Fatal, Started, CancelAck, Withdrawn, Result, Pong)
+SUPERVISOR_TYPES = (Call, Cancel, Recall, Resume, Ack, Ping, Shutdown)
 DECODERS = {"from_worker": decode_from_worker, "from_supervisor": decode_from_supervisor}
 #: Message type -> number of fields after the type string.
 ARITY = {
@@ -42,14 +46,18 @@ ARITY = {
     "fatal": 2,
     "started": 1,
     "cancel_ack": 1,
+    "withdrawn": 1,
     "result": 9,
     "pong": 1,
-    "call": 3,
+    "call": 4,
     "cancel": 2,
+    "recall": 1,
+    "resume": 0,
+    "ack": 1,
     "ping": 1,
     "shutdown": 0,
 }
-SUPERVISOR_KINDS = frozenset({"call", "cancel", "ping", "shutdown"})
+SUPERVISOR_KINDS = frozenset({"call", "cancel", "recall", "resume", "ack", "ping", "shutdown"})
 MAX_ID = 2**63 - 1
 SECRET = b"ab" * 32
 CATALOG = [{"name": "nap", "description": "Sleep.", "input_schema": {"type": "object"}}]
@@ -84,6 +92,18 @@ WORKER_MESSAGES = [
     Started(0),
     Started(MAX_ID),
     CancelAck(17),
+    Withdrawn(MAX_ID),
+    Result(
+        6,
+        "ok",
+        None,
+        None,
+        None,
+        True,
+        {},
+        0,
+        {"cpu_time": 0.5, "max_rss": 1 << 20, "started_at": 17.25, "kept": True},
+    ),
     Result(
         7,
         "ok",
@@ -103,7 +123,11 @@ WORKER_MESSAGES = [
 
 SUPERVISOR_MESSAGES = [
     Call(1, "nap", pack_value({"seconds": 1.5})),
-    Call(MAX_ID, "x" * 256, pack_value({})),
+    Call(MAX_ID, "x" * 256, pack_value({}), MAX_ID),
+    Recall(5),
+    Resume(),
+    Ack(0),
+    Ack(MAX_ID),
     *(Cancel(3, kind) for kind in ("user", "parent", "disposed", "timeout")),
     Ping(0),
     Shutdown(),
@@ -330,6 +354,7 @@ def test_ids_must_be_non_negative_64_bit_integers(bad: Any) -> None:
     for wire in (
         frame("started", bad),
         frame("cancel_ack", bad),
+        frame("withdrawn", bad),
         frame("pong", bad),
         result_frame(call_id=bad),
         frame("hello", bad, 1, SECRET, [], {}),
@@ -338,7 +363,10 @@ def test_ids_must_be_non_negative_64_bit_integers(bad: Any) -> None:
         with pytest.raises(ProtocolViolation):
             decode_from_worker(wire)
     for wire in (
-        frame("call", bad, "nap", b""),
+        frame("call", bad, "nap", b"", 0),
+        frame("call", 1, "nap", b"", bad),
+        frame("recall", bad),
+        frame("ack", bad),
         frame("ping", bad),
         frame("cancel", bad, {"kind": "user"}),
     ):
@@ -365,6 +393,7 @@ def test_ids_must_be_non_negative_64_bit_integers(bad: Any) -> None:
         frame("hello", PROTOCOL_VERSION, 1, SECRET, [{"description": "no name"}], {}),
         frame("hello", PROTOCOL_VERSION, 1, SECRET, [{"name": 5}], {}),
         frame("hello", PROTOCOL_VERSION, 1, SECRET, [{"name": "n" * 257}], {}),
+        frame("hello", PROTOCOL_VERSION, 1, SECRET, [{"name": "n", "runs_in_thread": 1}], {}),
         frame("hello", PROTOCOL_VERSION, 1, SECRET, [], []),
         frame("hello", PROTOCOL_VERSION, 1, SECRET, [], {"rlimits": True}),
         frame("hello", PROTOCOL_VERSION, 1, SECRET, [], {"rlimits": ["yes", "x"]}),
@@ -373,6 +402,8 @@ def test_ids_must_be_non_negative_64_bit_integers(bad: Any) -> None:
         result_frame(extras={"cpu_time": "1"}),
         result_frame(extras={"output": "text, not bin"}),
         result_frame(extras={"max_rss": 1.5}),
+        result_frame(extras={"started_at": 1}),
+        result_frame(extras={"kept": 1}),
         result_frame(leftovers="1"),
         result_frame(context={b"k": 1}),
         frame("fatal", "secret-as-str", "error"),
@@ -388,10 +419,13 @@ def test_wrong_field_types_from_a_worker_are_rejected(wire: bytes) -> None:
 @pytest.mark.parametrize(
     "wire",
     [
-        frame("call", 1, b"nap", b""),
-        frame("call", 1, "n" * 257, b""),
-        frame("call", 1, "nap", {"seconds": 1}),
-        frame("call", 1, "nap", None),
+        frame("call", 1, b"nap", b"", 0),
+        frame("call", 1, "n" * 257, b"", 0),
+        frame("call", 1, "nap", {"seconds": 1}, 0),
+        frame("call", 1, "nap", None, 0),
+        frame("call", 1, "nap", b"", None),
+        frame("call", 1, "nap", b"", -1),
+        frame("resume", None),
     ],
 )
 def test_wrong_field_types_from_the_supervisor_are_rejected(wire: bytes) -> None:

@@ -50,7 +50,9 @@ async def test_forked_workers_are_children_of_the_reaper_holding_none_of_its_des
         assert sorted(methods.values()) == ["fork"] * 3
         reaper_fds = set(_fd_targets(reaper).values()) - {"/dev/null"}
         assert any(t.startswith("socket:") for t in reaper_fds)  # its line to the supervisor
+        wids = {w.pid: wid for wid, w in pool._workers.items()}
         for pid in methods:
+            wid = wids[pid]
             proc = psutil.Process(pid)
             assert proc.ppid() == reaper
             assert os.getsid(pid) == pid  # its own session, like a spawned worker
@@ -59,9 +61,15 @@ async def test_forked_workers_are_children_of_the_reaper_holding_none_of_its_des
             assert [fds[0], fds[1], fds[2]] == ["/dev/null"] * 3
             shared = set(fds.values()) & reaper_fds
             assert shared == set(), f"worker {pid} inherited {shared} from the reaper"
-            # Beyond stdio: libzmq's and the event loop's descriptors, and its one connection.
+            # Beyond stdio: libzmq's and the event loop's descriptors, its one connection,
+            # its ledger (mmap keeps a descriptor of its file), and the member list of its own
+            # cgroup (where cgroup v2 is set up).
             assert all(
-                t.startswith(("socket:", "anon_inode:")) for fd, t in fds.items() if fd > 2
+                t.startswith(("socket:", "anon_inode:"))
+                or t == f"{pool._workers[wid].endpoint[6:-5]}/ledger"
+                or (t.startswith("/sys/fs/cgroup/") and t.endswith("/cgroup.procs"))
+                for fd, t in fds.items()
+                if fd > 2
             ), fds
         assert {p.pid for p in workers_of_reaper(reaper)} == set(methods)
         result = await pool.call("at_import")

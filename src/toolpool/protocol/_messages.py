@@ -15,6 +15,7 @@ import msgpack
 
 __all__ = (
     "DEFAULT_MAX_FRAME",
+    "Ack",
     "OUTCOME_NAMES",
     "PROTOCOL_VERSION",
     "Call",
@@ -25,10 +26,13 @@ __all__ = (
     "Ping",
     "Pong",
     "ProtocolViolation",
+    "Recall",
     "Result",
+    "Resume",
     "Shutdown",
     "Started",
     "SupervisorMessage",
+    "Withdrawn",
     "WorkerMessage",
     "decode_from_supervisor",
     "decode_from_worker",
@@ -38,7 +42,7 @@ __all__ = (
 )
 
 #: The wire protocol's version; separate from the package version.
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 
 #: Default cap on one frame, in bytes (enforced by ZMQ_MAXMSGSIZE and again here). Decoding
 #: a hostile frame can cost about 64 bytes of memory per frame byte (a frame of nested empty
@@ -93,7 +97,8 @@ class Fatal:
 
 @dataclass(frozen=True, slots=True)
 class Started:
-    """Sent immediately before the body of call ``call_id`` is invoked."""
+    """The body of call ``call_id`` was invoked and has not returned yet. Sent only for a
+    body still running a moment after it was invoked: a result says the rest."""
 
     call_id: int
     TYPE: ClassVar[str] = "started"
@@ -114,6 +119,18 @@ class CancelAck:
 
 
 @dataclass(frozen=True, slots=True)
+class Withdrawn:
+    """Call ``call_id`` was still waiting in the worker's queue and was removed from it, never
+    taken up: the answer to a :class:`Cancel` or :class:`Recall` of a call not yet begun."""
+
+    call_id: int
+    TYPE: ClassVar[str] = "withdrawn"
+
+    def fields(self) -> list[Any]:
+        return [self.call_id]
+
+
+@dataclass(frozen=True, slots=True)
 class Result:
     """The settled result of call ``call_id``. ``value`` is the msgpack-packed value (or None)."""
 
@@ -128,7 +145,9 @@ class Result:
     """Child processes of the worker still present when the call ended."""
     extras: dict[str, Any] = field(default_factory=dict)
     """Facts measured around the call: ``cpu_time`` (float seconds), ``max_rss`` (int
-    bytes), ``output`` (bin) and ``output_dropped`` (int bytes), where measured."""
+    bytes), ``output`` (bin), ``output_dropped`` (int bytes), ``started_at`` (float, the
+    worker's ``time.monotonic()`` when the body was invoked), where measured; and ``kept``
+    (bool): whether a copy of this frame is in the worker's ledger."""
     TYPE: ClassVar[str] = "result"
 
     def fields(self) -> list[Any]:
@@ -161,15 +180,30 @@ class Pong:
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """Run tool ``tool`` with ``args`` (a packed msgpack map) as call ``call_id``."""
+    """Run tool ``tool`` with ``args`` (a packed msgpack map) as call ``call_id``, after any
+    call sent before it. ``acked``: how many results the supervisor has received from this
+    worker so far (the worker may reuse the ledger slots that held them)."""
 
     call_id: int
     tool: str
     args: bytes
+    acked: int = 0
     TYPE: ClassVar[str] = "call"
 
     def fields(self) -> list[Any]:
-        return [self.call_id, self.tool, self.args]
+        return [self.call_id, self.tool, self.args, self.acked]
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """The supervisor has received the worker's first ``results`` results: sent when the
+    worker holds its queue because a result it sent is not kept in its ledger."""
+
+    results: int
+    TYPE: ClassVar[str] = "ack"
+
+    def fields(self) -> list[Any]:
+        return [self.results]
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +219,28 @@ class Cancel:
 
 
 @dataclass(frozen=True, slots=True)
+class Recall:
+    """Give call ``call_id`` back if it is still waiting in the queue (answer: :class:`Withdrawn`);
+    if it was already taken up, nothing: its result follows as usual."""
+
+    call_id: int
+    TYPE: ClassVar[str] = "recall"
+
+    def fields(self) -> list[Any]:
+        return [self.call_id]
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """The processes the last call left behind are gone: take up the next queued call."""
+
+    TYPE: ClassVar[str] = "resume"
+
+    def fields(self) -> list[Any]:
+        return []
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     """Liveness probe; the worker answers :class:`Pong` even while a body runs."""
 
@@ -197,7 +253,7 @@ class Ping:
 
 @dataclass(frozen=True, slots=True)
 class Shutdown:
-    """Exit when idle (no call is running)."""
+    """Exit once no call is running; calls still queued in the worker are withdrawn."""
 
     TYPE: ClassVar[str] = "shutdown"
 
@@ -205,8 +261,8 @@ class Shutdown:
         return []
 
 
-WorkerMessage: TypeAlias = Hello | Fatal | Started | CancelAck | Result | Pong
-SupervisorMessage: TypeAlias = Call | Cancel | Ping | Shutdown
+WorkerMessage: TypeAlias = Hello | Fatal | Started | CancelAck | Withdrawn | Result | Pong
+SupervisorMessage: TypeAlias = Call | Cancel | Recall | Resume | Ack | Ping | Shutdown
 
 
 # --------------------------------------------------------------------------- codec
@@ -303,6 +359,8 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
                 ("max_rss", int),
                 ("output", bytes),
                 ("output_dropped", int),
+                ("started_at", float),
+                ("kept", bool),
             )
         ):
             raise ProtocolViolation("extras must be a map of the documented fields and types")
@@ -330,6 +388,9 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
     if kind == "cancel_ack":
         _arity(body, 1, kind)
         return CancelAck(_int_id(body[0], "call_id"))
+    if kind == "withdrawn":
+        _arity(body, 1, kind)
+        return Withdrawn(_int_id(body[0], "call_id"))
     if kind == "pong":
         _arity(body, 1, kind)
         return Pong(_int_id(body[0], "nonce"))
@@ -346,6 +407,8 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
         for tool in body[3]:
             if not _text(tool.get("name"), "tool name", _MAX_NAME):
                 raise ProtocolViolation("a tool name must not be empty")
+            if type(tool.get("runs_in_thread", False)) is not bool:
+                raise ProtocolViolation("runs_in_thread must be a boolean")
         return Hello(
             _int_id(body[0], "version"),
             _int_id(body[1], "pid"),
@@ -363,10 +426,16 @@ def decode_from_supervisor(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) ->
     """Decode one frame the supervisor sent (the worker validates it too)."""
     kind, body = _frame(frame, max_len)
     if kind == "call":
-        _arity(body, 3, kind)
+        _arity(body, 4, kind)
         return Call(
-            _int_id(body[0], "call_id"), _text(body[1], "tool", _MAX_NAME), _bin(body[2], "args")
+            _int_id(body[0], "call_id"),
+            _text(body[1], "tool", _MAX_NAME),
+            _bin(body[2], "args"),
+            _int_id(body[3], "acked"),
         )
+    if kind == "ack":
+        _arity(body, 1, kind)
+        return Ack(_int_id(body[0], "results"))
     if kind == "cancel":
         _arity(body, 2, kind)
         cause = body[1]
@@ -378,6 +447,12 @@ def decode_from_supervisor(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) ->
         ):
             raise ProtocolViolation(f"invalid cancel cause {cause!r}")
         return Cancel(_int_id(body[0], "call_id"), cause["kind"])
+    if kind == "recall":
+        _arity(body, 1, kind)
+        return Recall(_int_id(body[0], "call_id"))
+    if kind == "resume":
+        _arity(body, 0, kind)
+        return Resume()
     if kind == "ping":
         _arity(body, 1, kind)
         return Ping(_int_id(body[0], "nonce"))

@@ -51,14 +51,18 @@ from ..core import (
 from ..protocol import (
     DEFAULT_MAX_FRAME,
     PROTOCOL_VERSION,
+    Ack,
     Cancel,
     CancelAck,
     Fatal,
     Hello,
     Pong,
     ProtocolViolation,
+    Recall,
+    Resume,
     Shutdown,
     Started,
+    Withdrawn,
     decode_from_worker,
     encode,
     pack_value,
@@ -70,6 +74,7 @@ from ..protocol import (
 from ..protocol import (
     Result as ResultMessage,
 )
+from ..protocol._ledger import LEDGER_SIZE, read_ledger
 from ..sandbox import LAYERS, Profile, parse_size
 from ..sandbox._cgroups import CgroupSet
 from ..sandbox._profile import _human as _human_size
@@ -92,6 +97,8 @@ _DISPOSED: Final = CancelCause("disposed")
 _PARENT: Final = CancelCause("parent")
 _TIMEOUT: Final = CancelCause("timeout")
 _RUNG_ORDER: Final = {Rung.NONE: 0, Rung.CANCEL: 1, Rung.SIGTERM: 2, Rung.SIGKILL: 3}
+#: The marks at the start of a worker's ledger (protocol/_ledger.py).
+_MARKS: Final = struct.Struct("<QQ")
 WORKER_LOST_TEXT: Final = "Error: worker lost"
 KILLED_TEXT: Final = "Error: tool call killed"
 TIMEOUT_TEXT: Final = "Error: tool call timed out"
@@ -124,9 +131,11 @@ class Call:
         "_cause",
         "_deadline",
         "_event",
+        "_forced",
         "_group",
         "_laddering",
         "_pool",
+        "_recalling",
         "_result",
         "_rung",
         "_started",
@@ -158,6 +167,8 @@ class Call:
         self._event: anyio.Event | None = None
         self._deadline: float | None = None
         self._laddering = False
+        self._forced = False
+        self._recalling = False  # a recall (or the worker's shutdown) may withdraw it
         self._times: dict[str, float] = {"submitted": time.monotonic()}
 
     def cancel(self, cause: object = None, *, force: bool = False) -> None:
@@ -198,7 +209,10 @@ class Call:
         """Wait until the worker reports the body started, or the call settled first.
 
         Returns True if the body started (it may have finished since), False if the call
-        settled without the start being reported.
+        settled without its body starting (or without the start being known, for a worker
+        that died without a ledger). A worker reports the start of an async body at once,
+        and that of a sync body once it has run for about 0.2 ms (a quicker body's result
+        says it started).
         """
         if not self._started and self._result is None:
             if self._started_event is None:
@@ -208,7 +222,7 @@ class Call:
 
     @property
     def started(self) -> bool:
-        """True once the worker reported that the body was invoked."""
+        """True once the worker reported that the body was invoked (see :meth:`wait_started`)."""
         return self._started
 
     def __await__(self) -> Generator[Any, None, Result]:
@@ -307,7 +321,7 @@ class _Worker:
     __slots__ = (
         "acks_expected",
         "awaiting_fatal",
-        "call",
+        "calls",
         "catalog",
         "disconnected",
         "draining",
@@ -318,7 +332,8 @@ class _Worker:
         "gone",
         "gone_event",
         "hello_event",
-        "last_call_id",
+        "holding",
+        "ledger_fd",
         "members_fd",
         "members_file",
         "oom_kills",
@@ -326,8 +341,10 @@ class _Worker:
         "peer_pid",
         "pending",
         "pid",
+        "results",
         "scopes",
         "secret",
+        "signals",
         "sock",
         "start_failed",
         "start_method",
@@ -344,8 +361,12 @@ class _Worker:
         self.state = WorkerState.SPAWNING
         self.pid: int | None = None
         self.start_method = "spawn"  # how the reaper started it: "spawn" or "fork"
-        self.call: Call | None = None
-        self.last_call_id: int | None = None
+        # Its calls in the order sent: the first runs (or is next), the rest wait in its queue.
+        self.calls: collections.deque[Call] = collections.deque()
+        self.holding = False  # its last call left processes behind: it waits for 'resume'
+        self.results = 0  # results received from it (found in its ledger, too)
+        self.ledger_fd: int | None = None  # its ledger file, read with pread
+        self.signals: dict[str, float] = {}  # "sigterm"/"sigkill": when its tree first got it
         self.acks_expected: set[int] = set()  # calls it was sent a cancel for, not yet acked
         self.members_file: str | None = None  # its cgroup's cgroup.procs: who is in its tree
         self.members_fd: int | None = None  # the same, kept open (v2: pread re-reads it)
@@ -366,6 +387,11 @@ class _Worker:
         self.peer_pid: int | None = None  # who sent its first message (SO_PEERCRED)
         self.oom_kills = 0  # OOM kills in its memory cgroup, as the reaper read them at exit
         self.pending: Callable[..., None] | None = None
+
+    @property
+    def call(self) -> Call | None:
+        """The call it runs, or takes up next."""
+        return self.calls[0] if self.calls else None
 
     def __repr__(self) -> str:
         return f"<worker {self.wid} pid={self.pid} {self.state.value}>"
@@ -402,6 +428,7 @@ class Pool:
         capture_output: int | str | None = None,
         warm_spares: int = 0,
         start_method: StartMethod = "fork",
+        prefetch: int = 2,
     ) -> None:
         """
         :param tools: ``"module:attribute"`` naming the Registry.
@@ -428,6 +455,11 @@ class Pool:
             once and forks each worker from itself, which then sets itself up exactly like a
             spawned one; ``"spawn"``: each worker is a new ``python -m toolpool.worker``.
             Where forking is not possible the reaper spawns (see ``docs/pool.md``).
+        :param prefetch: when every worker is busy, how many more calls each may hold in its
+            queue, to take up the moment its running call ends (no round trip in between).
+            A queued call is never lost or half-run: if its worker dies, or is killed for
+            another call, it runs elsewhere; a cancel withdraws it; an idle worker takes
+            queued calls back from a busy one. 0 sends a call only to an idle worker.
         """
         if not isinstance(tools, str) or ":" not in tools:
             raise ConfigurationError(f"tools must be 'module:attribute', got {tools!r}")
@@ -469,6 +501,9 @@ class Pool:
         if start_method not in ("fork", "spawn"):
             raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
         self.start_method: StartMethod = start_method
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be a non-negative integer, got {prefetch!r}")
+        self.prefetch = prefetch
         self.capture_output = parse_size(capture_output)
         if self.capture_output is not None and self.capture_output > max_frame // 2:
             raise ValueError("capture_output must be at most half of max_frame")
@@ -487,6 +522,7 @@ class Pool:
         self._calls: dict[int, Call] = {}
         self._groups: weakref.WeakSet[Group] = weakref.WeakSet()
         self._catalog: dict[str, dict[str, Any]] = {}
+        self._threaded: set[str] = set()  # tools whose bodies run in a thread (see _pick)
         self._wids = itertools.count(1)
         self._call_ids = itertools.count(1)
         self._deadlines: list[tuple[float, int, Call]] = []
@@ -614,6 +650,9 @@ class Pool:
             await self._reaper.aclose()
         for w in list(self._workers.values()):
             self._close_worker(w)
+            if w.ledger_fd is not None:
+                os.close(w.ledger_fd)
+                w.ledger_fd = None
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
@@ -822,10 +861,11 @@ class Pool:
     def statistics(self) -> Statistics:
         """A frozen snapshot of the pool."""
         states = collections.Counter(w.state.value for w in self._workers.values())
+        running = sum(1 for w in self._workers.values() if w.calls)
         return Statistics(
             workers=MappingProxyType(dict(states)),
-            queued=sum(1 for c in self._calls.values() if c._state is _CallState.QUEUED),
-            in_flight=sum(1 for c in self._calls.values() if c._state is not _CallState.QUEUED),
+            queued=len(self._calls) - running,
+            in_flight=running,
             settled=MappingProxyType(dict(self._settled_counts)),
             escalations=MappingProxyType(dict(self._escalations)),
             workers_started=self._started_count,
@@ -890,38 +930,99 @@ class Pool:
     def _dispatch(self) -> None:
         if self._state in ("closing", "closed"):
             return  # what is still queued settles as aborted_before_dispatch (disposed)
-        while self._queue and self._ready:
-            if self.warm_spares and self._serving() >= self.size:
-                return  # the rest are warm spares: at most `workers` calls at once
-            call = self._queue.popleft()
+        queue = self._queue
+        while queue:
+            w = self._pick()
+            if w is None:
+                return
+            call = queue.popleft()
             if call._state is not _CallState.QUEUED:
                 continue
             group = call._group
             if group is not None and group.cancelled:  # C5.2: never dispatched after its cancel
                 self._cancel_call(call, group.signal.reason or _PARENT, force=False)
                 continue
-            w = self._ready.pop()
-            if w.state is not WorkerState.READY or w.gone:
-                self._queue.appendleft(call)
-                continue
-            w.state = WorkerState.BUSY
-            w.call = call
-            if w.peak_file is not None:
-                _write_quietly(w.peak_file, "0")  # the call's peak starts now
+            if not w.calls:
+                if w in self._ready:
+                    self._ready.remove(w)
+                w.state = WorkerState.BUSY
+                if w.peak_file is not None:
+                    _write_quietly(w.peak_file, "0")  # the call's peak starts now
+            w.calls.append(call)
             call._worker = w
             call._state = _CallState.SENT
             call._times["dispatched"] = time.monotonic()
-            if not self._send(w, encode(CallMessage(call.id, call.tool, call._args))):
-                # Not handed over: the body cannot have started. Put it back and retire w.
-                w.call = None
-                call._worker = None
-                call._state = _CallState.QUEUED
-                del call._times["dispatched"]
-                self._queue.appendleft(call)
-                self._quarantine(w, "its socket refused a call")
+            if not self._send(w, encode(CallMessage(call.id, call.tool, call._args, w.results))):
+                # Not handed over: the body cannot have started. Put it back and retire w:
+                # its peer is gone (it died, or is dying of what it runs), not misbehaving.
+                w.calls.pop()
+                self._requeue(call)
+                _log.info("worker %s: its socket refused a call; retiring it", w.wid)
+                self._quarantine(w, None)
+        self._steal()
+
+    def _pick(self) -> _Worker | None:
+        """The worker for the next queued call: an idle one (within the warm-spare limit),
+        else the busy one with the fewest calls that may queue one more (``prefetch``)."""
+        ready = self._ready
+        while ready and not (self.warm_spares and self._serving() >= self.size):
+            w = ready[-1]
+            if w.state is WorkerState.READY and not w.gone and not w.calls:
+                return w
+            ready.pop()
+        if not self.prefetch:
+            return None
+        best: _Worker | None = None
+        limit = self.prefetch + 1
+        threaded = self._threaded
+        for w in self._workers.values():
+            n = len(w.calls)
+            if (
+                0 < n < limit
+                and w.state is WorkerState.BUSY
+                and not w.gone
+                and (best is None or n < len(best.calls))
+                # Only behind bodies that leave the worker's loop free to withdraw it: an
+                # async body can hold the loop (and the queue) for as long as it runs.
+                and all(c.tool in threaded for c in w.calls)
+            ):
+                best = w
+        return best
+
+    def _steal(self) -> None:
+        """Nothing is queued here but a worker is idle: take back calls waiting in a busy
+        worker's queue (behind a long call they could wait long), to run on the idle one."""
+        if not self.prefetch or self._queue or not self._ready:
+            return
+        if self.warm_spares and self._serving() >= self.size:
+            return
+        idle = len(self._ready)
+        for w in list(self._workers.values()):
+            if len(w.calls) < 2 or w.state is not WorkerState.BUSY:
+                continue
+            for call in list(w.calls)[:0:-1]:  # newest first, never the one it runs
+                if idle <= 0:
+                    return
+                if not call._recalling and call._cause is None:
+                    call._recalling = True
+                    idle -= 1
+                    self._send(w, encode(Recall(call.id)))
+
+    def _requeue(self, call: Call) -> None:
+        """A call its worker never took up goes back to the front of the queue."""
+        call._worker = None
+        call._state = _CallState.QUEUED
+        call._recalling = False
+        call._rung = Rung.NONE
+        for step in ("dispatched", "sigterm", "sigkill"):
+            call._times.pop(step, None)
+        if self._state in ("closing", "closed"):  # nothing is dispatched any more
+            self._cancel_call(call, _DISPOSED, force=False)
+            return
+        self._queue.appendleft(call)
 
     def _serving(self) -> int:
-        return sum(1 for w in self._workers.values() if w.call is not None)
+        return sum(1 for w in self._workers.values() if w.calls)
 
     def _send(self, w: _Worker, frame: bytes) -> bool:
         if w.gone or w.sock.closed:
@@ -953,12 +1054,21 @@ class Pool:
         w = call._worker
         assert w is not None
         if force:
-            self._kill(w)
-            return
+            call._forced = True
+            if self._taken(w, call):
+                self._kill(w, call)
+                return
+            # Not begun: withdraw it like any other; kill only if its worker takes it up.
         if call._rung is Rung.NONE:
             self._raise_rung(call, Rung.CANCEL)
             w.acks_expected.add(call.id)
             self._send(w, encode(Cancel(call.id, call._cause.kind)))
+            if call is w.call:
+                # Its worker may be killed for it: take back what waits behind it first.
+                for queued in list(w.calls)[1:]:
+                    if not queued._recalling and queued._cause is None:
+                        queued._recalling = True
+                        self._send(w, encode(Recall(queued.id)))
         if not call._laddering and self._tg is not None:
             call._laddering = True
             self._tg.start_soon(self._ladder, w, call)
@@ -983,6 +1093,15 @@ class Pool:
 
     async def _ladder(self, w: _Worker, call: Call) -> None:
         """The escalation ladder of one worker: cancel message, SIGTERM, SIGKILL (C4.2)."""
+        # A call still in w's queue is withdrawn at once, unless w's loop is held up (a body
+        # keeps the GIL): then it is withdrawn later, or taken up and sees its cancelled
+        # signal. Never kill a worker, and the call it runs, for a call not begun there.
+        while call._result is None and not w.gone and not self._taken(w, call):
+            with anyio.move_on_after(0.05):
+                await call.wait()
+        if call._forced and call._result is None and not w.gone:
+            self._kill(w, call)
+            return
         with anyio.move_on_after(self.cancel_grace):
             await call.wait()
         if call._result is not None and w.state is not WorkerState.QUARANTINED:
@@ -990,36 +1109,61 @@ class Pool:
         if w.gone:
             return
         if call._result is None and call._rung is not Rung.SIGKILL:
-            self._terminate(w)
+            self._terminate(w, call)
         with anyio.move_on_after(self.term_grace):
             await w.gone_event.wait()
         if not w.gone:
-            self._kill(w)
+            self._kill(w, call)
+
+    def _taken(self, w: _Worker, call: Call) -> bool:
+        """Whether w has taken call up: it said so, or its ledger names it or a call sent
+        after it (w takes its calls up in the order sent)."""
+        if call._started:
+            return True
+        ledger = _read_marks(w)
+        if ledger is None:
+            return True
+        later = False
+        for c in w.calls:
+            later = later or c is call
+            if later and ledger[0] == c.id + 1:
+                return True
+        return False
 
     def _raise_rung(self, call: Call, rung: Rung) -> None:
         if _RUNG_ORDER[rung] > _RUNG_ORDER[call._rung]:
             call._rung = rung
 
-    def _terminate(self, w: _Worker) -> None:
+    def _terminate(self, w: _Worker, call: Call) -> None:
+        """SIGTERM w's tree, escalating ``call``."""
         w.escalated = True
         w.state = WorkerState.QUARANTINED
-        if w.call is not None:
-            self._raise_rung(w.call, Rung.SIGTERM)
-            w.call._times.setdefault("sigterm", time.monotonic())
+        self._signalled(w, call, Rung.SIGTERM)
         if self._reaper is not None and not w.gone:
             self._reaper.signal_tree(w.wid, signal.SIGTERM)
 
-    def _kill(self, w: _Worker) -> None:
+    def _kill(self, w: _Worker, call: Call) -> None:
+        """SIGKILL w's tree, escalating ``call``."""
         w.escalated = True
         self._quarantine(w, None)
-        if w.call is not None:
-            self._raise_rung(w.call, Rung.SIGKILL)
-            w.call._times.setdefault("sigkill", time.monotonic())
+        self._signalled(w, call, Rung.SIGKILL)
+
+    def _signalled(self, w: _Worker, call: Call | None, rung: Rung) -> None:
+        """Record a rung reached against w's tree: on the escalated call now; on whichever
+        call w had taken up when it died, once its ledger tells (_settle_calls_of_dead)."""
+        step = "sigterm" if rung is Rung.SIGTERM else "sigkill"
+        now = time.monotonic()
+        w.signals.setdefault(step, now)
+        if call is not None:
+            self._raise_rung(call, rung)
+            call._times.setdefault(step, now)
 
     def _retire(self, w: _Worker) -> None:
         if w in self._ready:
             self._ready.remove(w)
         w.state = WorkerState.RETIRING
+        for call in w.calls:
+            call._recalling = True  # it withdraws what it has not taken up
         self._send(w, encode(Shutdown()))
 
     def _violated(self, w: _Worker, violation: str) -> None:
@@ -1039,9 +1183,8 @@ class Pool:
         w.state = WorkerState.QUARANTINED
         if self._reaper is not None and not w.gone:
             self._reaper.kill_tree(w.wid)
-            if w.call is not None and violation is not None:
-                self._raise_rung(w.call, Rung.SIGKILL)
-                w.call._times.setdefault("sigkill", time.monotonic())
+            if violation is not None:
+                self._signalled(w, None, Rung.SIGKILL)
 
     # ------------------------------------------------------------------ settlement
 
@@ -1103,11 +1246,13 @@ class Pool:
         del self._calls[call.id]
         if call._group is not None:
             call._group._calls.discard(call)
-        if w is not None and w.call is call:
-            w.call = None
-            w.last_call_id = call.id
+        if w is not None and call in w.calls:
+            if w.calls[0] is call:
+                w.calls.popleft()
+            else:
+                w.calls.remove(call)
             if w.acks_expected:  # an ack may still be on its way for this call, no older one
-                w.acks_expected &= {call.id}
+                w.acks_expected &= {call.id, *(c.id for c in w.calls)}
         if call._event is not None:
             call._event.set()
         if call._started_event is not None:
@@ -1149,12 +1294,16 @@ class Pool:
         sock_dir = os.path.join(self._dir, f"w{wid}")
         os.mkdir(sock_dir, 0o700)
         endpoint = f"ipc://{sock_dir}/sock"
+        ledger = os.path.join(sock_dir, "ledger")
+        ledger_fd = os.open(ledger, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.ftruncate(ledger_fd, LEDGER_SIZE)
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
         sock.bind(endpoint)
         secret = secrets.token_hex(32).encode()
         w = _Worker(wid, endpoint, sock, secret)
+        w.ledger_fd = ledger_fd
         self._workers[wid] = w
         profile = self.profile
         cleanup: list[str] = [sock_dir]
@@ -1202,7 +1351,13 @@ class Pool:
             ",".join(procs),
             "--capture",
             str(self.capture_output or 0),
+            "--ledger",
+            ledger,
+            "--members",
+            w.members_file if w.members_fd is not None and w.members_file else "",
         ]
+        if self.allow_background:
+            argv.append("--allow-background")
         self._reaper.spawn(
             wid,
             argv,
@@ -1308,6 +1463,9 @@ class Pool:
         if w.members_fd is not None:
             os.close(w.members_fd)
             w.members_fd = None
+        if w.ledger_fd is not None and (w.gone or self._state == "closed"):
+            os.close(w.ledger_fd)  # else: read once it is gone (_settle_calls_of_dead)
+            w.ledger_fd = None
         if not w.sock.closed:
             # Stop the monitor before anything closes: libzmq's I/O thread blocks for good
             # on a monitor event whose reader is gone, freezing every socket of the context.
@@ -1349,32 +1507,24 @@ class Pool:
 
     def _on_message(self, w: _Worker, msg: Any) -> None:
         if isinstance(msg, ResultMessage):
-            call = w.call
-            if call is None or call.id != msg.call_id:
-                raise ProtocolViolation(f"result for call {msg.call_id}, which it does not own")
-            value = unpack_value(msg.value, self.max_frame) if msg.value is not None else None
-            call._times["returned"] = time.monotonic()
-            output = msg.extras.get("output")
-            settle = functools.partial(
-                self._settle,
-                call,
-                Outcome(msg.outcome),
-                value=value,
-                error=msg.error,
-                error_name=msg.error_name,
-                body_started=msg.body_started,
-                context=msg.context,
-                cpu_time=msg.extras.get("cpu_time"),
-                max_rss=msg.extras.get("max_rss"),
-                output=None if output is None else output.decode("utf-8", "replace"),
-                output_dropped=msg.extras.get("output_dropped", 0),
-                tree_max_memory=_read_int(w.peak_file),
-            )
+            settle = self._received(w, msg)
+            call = settle.args[0]
+            if not msg.extras.get("kept", False) and len(w.calls) > 1:
+                # Not in its ledger: it takes up nothing more until it knows this arrived.
+                self._send(w, encode(Ack(w.results)))
             leftovers = msg.leftovers
-            if not leftovers and not self.allow_background and w.members_file is not None:
+            # With a leftover it reported, the worker takes up nothing more until 'resume'.
+            w.holding = leftovers > 0 and not self.allow_background
+            if (
+                not leftovers
+                and not self.allow_background
+                and w.members_file is not None
+                and len(w.calls) == 1
+            ):
                 # The worker's count is its tool's claim; its cgroup is not: any process in it
                 # but the worker (a child re-parented away with clone(CLONE_PARENT), or one a
-                # tool hid by patching the worker) is left over too.
+                # tool hid by patching the worker) is left over too. Only while no other call
+                # is in the worker: one taken up since could own them.
                 leftovers = _other_members(w)
             if leftovers and not self.allow_background and self._reaper is not None:
                 # The call left processes behind: kill them before settling, so the result
@@ -1385,14 +1535,13 @@ class Pool:
                 self._reaper.clean(w.wid)
                 return
             settle()
-            if w.state is WorkerState.BUSY:
-                w.state = WorkerState.READY
-                self._ready.append(w)
-                self._dispatch()
+            if w.calls and w.peak_file is not None:
+                _write_quietly(w.peak_file, "0")  # the next call's peak starts about now
+            self._resume(w)
         elif isinstance(msg, Started):
             call = w.call
             if call is None or call.id != msg.call_id or call._started:
-                raise ProtocolViolation(f"'started' for call {msg.call_id}, which it does not own")
+                raise ProtocolViolation(f"'started' for call {msg.call_id}, which it does not run")
             call._started = True
             call._state = _CallState.RUNNING
             call._times["started"] = time.monotonic()
@@ -1407,6 +1556,24 @@ class Pool:
             call = w.call
             if call is not None and call.id == msg.call_id:
                 call._times.setdefault("cancel_delivered", time.monotonic())
+        elif isinstance(msg, Withdrawn):
+            # Only a queued call it was asked to give back (a cancel, a recall, a shutdown).
+            call = next((c for c in w.calls if c.id == msg.call_id), None)
+            if call is None or not (call._recalling or msg.call_id in w.acks_expected):
+                raise ProtocolViolation(f"withdrew call {msg.call_id}, which it was not asked to")
+            if call._started:
+                raise ProtocolViolation(f"withdrew call {msg.call_id}, whose body it started")
+            w.calls.remove(call)
+            w.acks_expected.discard(call.id)
+            call._times.setdefault("cancel_delivered", time.monotonic())
+            if call._cause is not None:
+                call._worker = None
+                call._rung = Rung.CANCEL
+                self._settle_unstarted(call, call._cause)
+            else:
+                call._times.pop("cancel_delivered", None)
+                self._requeue(call)
+            self._resume(w)
         elif isinstance(msg, Hello):
             if w.state is not WorkerState.SPAWNING:
                 raise ProtocolViolation("a second hello")
@@ -1424,7 +1591,12 @@ class Pool:
                 raise ProtocolViolation(
                     f"hello sent by process {w.peer_pid}, which is not the worker ({msg.pid})"
                 )
-            catalog = {t["name"]: t for t in msg.tools}
+            catalog: dict[str, dict[str, Any]] = {}
+            for entry in msg.tools:
+                desc = dict(entry)
+                if desc.pop("runs_in_thread", False):
+                    self._threaded.add(desc["name"])
+                catalog[desc["name"]] = desc
             for name, desc in catalog.items():
                 known = self._catalog.get(name)
                 if known is not None and known != desc:
@@ -1456,6 +1628,53 @@ class Pool:
             raise ProtocolViolation("a pong it was not asked for")
         else:  # pragma: no cover - decode_from_worker returns only the types above
             raise ProtocolViolation(f"unexpected message {type(msg).__name__}")
+
+    def _received(self, w: _Worker, msg: ResultMessage) -> functools.partial[None]:
+        """w's next result arrived (or was found in its ledger): check it is for the call w
+        runs, and return what settles that call."""
+        call = w.call
+        if call is None or call.id != msg.call_id:
+            raise ProtocolViolation(f"result for call {msg.call_id}, which it does not own")
+        w.results += 1
+        value = unpack_value(msg.value, self.max_frame) if msg.value is not None else None
+        now = call._times["returned"] = time.monotonic()
+        if msg.body_started:
+            call._started = True
+            started_at = msg.extras.get("started_at")
+            if "started" not in call._times and started_at is not None:
+                # The worker's monotonic clock is this one (same host); trust it only within
+                # what this side saw.
+                call._times["started"] = min(max(started_at, call._times["dispatched"]), now)
+        output = msg.extras.get("output")
+        return functools.partial(
+            self._settle,
+            call,
+            Outcome(msg.outcome),
+            value=value,
+            error=msg.error,
+            error_name=msg.error_name,
+            body_started=msg.body_started,
+            context=msg.context,
+            cpu_time=msg.extras.get("cpu_time"),
+            max_rss=msg.extras.get("max_rss"),
+            output=None if output is None else output.decode("utf-8", "replace"),
+            output_dropped=msg.extras.get("output_dropped", 0),
+            tree_max_memory=_read_int(w.peak_file),
+        )
+
+    def _resume(self, w: _Worker) -> None:
+        """w settled or gave back a call, or its clean-up ended: it serves on (idle if it
+        holds no call); then dispatch what is queued."""
+        if not w.gone:
+            if w.holding and self._reaper is None:  # nobody can clean up: do not wait for it
+                w.holding = False
+                self._send(w, encode(Resume()))
+            if w.state is WorkerState.CLEANING and w.pending is None and not w.holding:
+                w.state = WorkerState.BUSY
+            if w.state is WorkerState.BUSY and not w.calls:
+                w.state = WorkerState.READY
+                self._ready.append(w)
+        self._dispatch()
 
     async def _await_fatal(self, w: _Worker) -> None:
         with anyio.move_on_after(2.0):
@@ -1542,10 +1761,12 @@ class Pool:
             pending, w.pending = w.pending, None
             if pending is not None:
                 pending(leftovers_killed=int(event.get("count", 0)))
-            if w.state is WorkerState.CLEANING and not w.gone:
-                w.state = WorkerState.READY
-                self._ready.append(w)
-                self._dispatch()
+            if w.holding and not w.gone:
+                w.holding = False
+                if w.calls and w.peak_file is not None:
+                    _write_quietly(w.peak_file, "0")  # the next call's peak starts now
+                self._send(w, encode(Resume()))
+            self._resume(w)
         elif kind == "stuck":
             _log.error("worker %s: its cgroup would not empty; still trying", w.wid)
 
@@ -1573,16 +1794,52 @@ class Pool:
         pending, w.pending = w.pending, None
         if pending is not None:  # its body returned; the clean-up was overtaken by its death
             pending()
-        call = w.call
-        if call is not None:
-            call._times["reaped"] = time.monotonic()
+        self._settle_calls_of_dead(w)
+        w.state = WorkerState.EXITED
+        w.gone_event.set()
+        for scope in w.scopes:
+            scope.cancel()
+        del self._workers[w.wid]
+        self._notify_workers_changed()
+        if not w.awaiting_fatal:  # else: decided once the start failure is known
+            self._maybe_replace(w, counts=was_serving and not w.start_failed)
+        self._dispatch()  # a warm spare (or any idle worker) takes what is queued
+
+    def _settle_calls_of_dead(self, w: _Worker) -> None:
+        """Settle the calls w held when it died, by its ledger: a call it never took up runs
+        elsewhere (or, cancelled, settles as never started); the one it took up is killed
+        or lost, and its body had started exactly if the ledger says it was invoked."""
+        ledger = self._read_ledger(w)
+        calls = list(w.calls)
+        w.calls.clear()
+        taken = len(calls) - 1  # without a ledger, any of them may have been taken up
+        if ledger is not None:
+            taken = max((i for i, c in enumerate(calls) if ledger[0] == c.id + 1), default=-1)
+        now = time.monotonic()
+        for i, call in enumerate(calls):
+            if i > taken:  # never taken up: nothing of it ran
+                call._worker = None
+                if call._cause is not None:
+                    call._rung = Rung.CANCEL
+                    call._times.pop("sigterm", None)
+                    call._times.pop("sigkill", None)
+                    self._settle_unstarted(call, call._cause)
+                continue
+            started: bool | None = call._started or None
+            if ledger is not None and i == taken:
+                started = call._started or ledger[1] == call.id + 1
+            for step, rung in (("sigterm", Rung.SIGTERM), ("sigkill", Rung.SIGKILL)):
+                if step in w.signals:  # it died of them, whichever call they were sent for
+                    self._raise_rung(call, rung)
+                    call._times.setdefault(step, w.signals[step])
+            call._times["reaped"] = now
             if w.escalated and w.violation is None:
                 self._settle(
                     call,
                     Outcome.KILLED,
                     error=KILLED_TEXT,
                     error_name="Killed",
-                    body_started=call._started or None,
+                    body_started=started,
                     exit_status=w.exit_status,
                 )
             else:
@@ -1594,18 +1851,39 @@ class Pool:
                     Outcome.WORKER_LOST,
                     error=f"{WORKER_LOST_TEXT}: {reason}",
                     error_name="WorkerLost",
-                    body_started=call._started or None,
+                    body_started=started,
                     exit_status=w.exit_status,
                 )
-        w.state = WorkerState.EXITED
-        w.gone_event.set()
-        for scope in w.scopes:
-            scope.cancel()
-        del self._workers[w.wid]
-        self._notify_workers_changed()
-        if not w.awaiting_fatal:  # else: decided once the start failure is known
-            self._maybe_replace(w, counts=was_serving and not w.start_failed)
-        self._dispatch()  # a warm spare (or any idle worker) takes what is queued
+        for call in reversed(calls[taken + 1 :]):
+            if call._result is None:
+                self._requeue(call)  # in order, at the front
+
+    def _read_ledger(self, w: _Worker) -> tuple[int, int] | None:
+        """Read w's ledger once it is gone: settle the calls whose results it kept there but
+        that never arrived (sent just before it died, or not sent); return its marks."""
+        fd, w.ledger_fd = w.ledger_fd, None
+        if fd is None:
+            return None
+        try:
+            data = os.pread(fd, LEDGER_SIZE, 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        taken, invoked, kept = read_ledger(data)
+        for seq, frame in kept:
+            if seq != w.results + 1 or not w.calls:
+                continue  # received already (or out of turn: not what it sent)
+            try:
+                msg = decode_from_worker(frame, max_len=self.max_frame)
+                if not isinstance(msg, ResultMessage):
+                    raise ProtocolViolation(f"a {type(msg).__name__} in its ledger")
+                settle = self._received(w, msg)
+            except ProtocolViolation as exc:
+                _log.warning("worker %s: its ledger holds no valid result: %s", w.wid, exc)
+                break
+            settle()
+        return taken, invoked
 
     def _maybe_replace(self, w: _Worker, *, counts: bool = False) -> None:
         if self._state in ("running", "starting") and self._broken is None:
@@ -1628,6 +1906,21 @@ class Pool:
 
     def __repr__(self) -> str:
         return f"<toolpool.Pool {self.tools_spec!r} workers={self.size} {self._state}>"
+
+
+def _read_marks(w: _Worker) -> tuple[int, int] | None:
+    """The marks of w's ledger: (1 + id of the call last taken up, 1 + id of the call whose
+    body was last invoked), or None if it cannot be read."""
+    if w.ledger_fd is None:
+        return None
+    try:
+        data = os.pread(w.ledger_fd, _MARKS.size, 0)
+    except OSError:
+        return None
+    if len(data) != _MARKS.size:
+        return None
+    taken, invoked = _MARKS.unpack(data)
+    return taken, invoked
 
 
 def _other_members(w: _Worker) -> int:

@@ -150,8 +150,10 @@ class Statistics:
     workers: Mapping[str, int]
     """Worker processes by state (``ready``, ``busy``, ``spawning``, ``quarantined``...)."""
     queued: int
+    """Calls not begun yet: waiting in the pool's queue, or in a worker's queue behind the
+    call it runs (``Pool(prefetch=...)``)."""
     in_flight: int
-    """Calls dispatched to a worker and not yet settled."""
+    """Calls a worker runs, or takes up next: at most one per worker."""
     settled: Mapping[str, int]
     """Settled calls by outcome."""
     escalations: Mapping[str, int]

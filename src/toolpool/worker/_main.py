@@ -3,20 +3,34 @@
 Set-up happens first, single-threaded, before zmq starts its threads and before the tools
 module is imported: die with the parent (PR_SET_PDEATHSIG), check the parent did not already
 die, become a child subreaper (so daemons a tool starts stay in this tree), read the per-worker
-secret from stdin. Then connect, import the tools, say hello, and serve one call at a time.
+secret from stdin. Then connect, import the tools, say hello, and serve its calls one at a
+time, in the order they came.
 
-The worker never kills or abandons anything: a cancel message only cancels the call's signal.
+The supervisor may send a call while another runs (``Pool(prefetch=...)``): it waits in the
+worker's queue. The worker writes to its *ledger* (protocol/_ledger.py), memory it shares
+with the supervisor, which reaches the supervisor even if the worker is killed the next
+instant: the id of a call before taking it up, again before invoking its body, and a copy of
+each result before sending it. So after any death the supervisor knows which calls were
+never taken up (it runs them elsewhere), whether the body of the one that was had started,
+and every result sent, even one still in the dying worker's zmq queue. A result too large
+for the ledger must be acknowledged before the worker takes up its next call.
+
+The worker never kills or abandons anything: a cancel message only cancels the call's signal,
+or withdraws a call that is still queued.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib
 import json
+import mmap
 import os
 import resource
 import signal
 import sys
+import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +41,7 @@ import anyio.to_thread
 from ..core import CancelCause, CancelController, cancel_with_runtime_cause
 from ..protocol import (
     PROTOCOL_VERSION,
+    Ack,
     Call,
     Cancel,
     CancelAck,
@@ -35,13 +50,24 @@ from ..protocol import (
     Ping,
     Pong,
     ProtocolViolation,
+    Recall,
     Result,
+    Resume,
     Shutdown,
     Started,
+    Withdrawn,
     decode_from_supervisor,
     encode,
     pack_value,
     unpack_value,
+)
+from ..protocol._ledger import (
+    LEDGER_SIZE,
+    SLOT_PAYLOAD,
+    SLOTS,
+    write_invoked,
+    write_slot,
+    write_taken,
 )
 from ..sandbox import Profile
 from ..sandbox._apply import apply_profile
@@ -75,7 +101,38 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--cgroup-procs", default="", help="comma-separated cgroup.procs files to join"
     )
+    parser.add_argument("--ledger", default="", help="the ledger file shared with the supervisor")
+    parser.add_argument(
+        "--members", default="", help="the cgroup v2 cgroup.procs listing the worker's tree"
+    )
+    parser.add_argument(
+        "--allow-background",
+        action="store_true",
+        help="processes a call leaves behind are allowed: never wait for their clean-up",
+    )
     return parser.parse_args(argv)
+
+
+def open_ledger(path: str) -> mmap.mmap | None:
+    """Map the ledger file read-write (before set-up: the mapping outlives a uid change and
+    Landlock, which would forbid opening it later)."""
+    if not path:
+        return None
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        return mmap.mmap(fd, LEDGER_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def open_members(path: str) -> int | None:
+    """An fd on the worker's cgroup v2 ``cgroup.procs`` (pread re-reads it), or None."""
+    if not path:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 def setup(
@@ -135,6 +192,11 @@ def load_registry(spec: str) -> Registry:
 def main(argv: list[str] | None = None) -> None:
     args = _parse(sys.argv[1:] if argv is None else argv)
     procs = [p for p in args.cgroup_procs.split(",") if p]
+    try:
+        ledger = open_ledger(args.ledger)
+    except (OSError, ValueError):
+        os._exit(EXIT_SETUP_FAILED)
+    members = open_members(args.members)
     secret, report, setup_error = setup(
         args.parent_pid, args.profile, procs, args.endpoint, args.tools.partition(":")[0]
     )
@@ -157,7 +219,13 @@ def main(argv: list[str] | None = None) -> None:
         if setup_error is not None:
             raise RuntimeError(setup_error)
         registry = load_registry(args.tools)
-        catalog = registry.catalog()
+        # Each entry also says whether the body runs in a thread (the worker's loop stays
+        # free meanwhile, so a call queued behind it can be withdrawn): the supervisor queues
+        # calls only behind such bodies. It is not part of the catalog.
+        catalog = [
+            {**spec.describe(), "runs_in_thread": not spec.is_async}
+            for spec in registry.tools.values()
+        ]
     except BaseException:
         sock.send(encode(Fatal(secret, traceback.format_exc(limit=20)[-8000:])))
         sock.close()
@@ -165,7 +233,8 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(EXIT_TOOLS_FAILED)
     sock.send(encode(Hello(PROTOCOL_VERSION, os.getpid(), secret, catalog, report)))
 
-    server = _Server(sock, registry, args.max_frame, capture)
+    server = _Server(sock, registry, args.max_frame, capture, ledger, members)
+    server.allow_background = args.allow_background
     try:
         anyio.run(server.serve)
     finally:
@@ -174,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 class _Server:
-    """The worker's loop: reads messages while a body runs, one call at a time."""
+    """The worker's loop: reads messages while a body runs; runs its calls one at a time, in
+    the order they came; a call waiting behind another can be withdrawn."""
 
     def __init__(
         self,
@@ -182,12 +252,25 @@ class _Server:
         registry: Registry,
         max_frame: int,
         capture: OutputCapture | None = None,
+        ledger: mmap.mmap | None = None,
+        members: int | None = None,
     ) -> None:
         self.capture = capture
         self.sock = sock
         self.registry = registry
+        self.specs = registry.tools
         self.max_frame = max_frame
+        self.ledger = ledger
+        self.members = members
+        self.queue: collections.deque[Call] = collections.deque()
         self.current: tuple[int, Any] | None = None  # (call_id, CancelController)
+        self.started_at = 0.0  # when the current call's body was invoked
+        self.hold = False  # the last call left processes behind: wait for 'resume'
+        self.results = 0  # results sent so far
+        self.acked = 0  # how many of them the supervisor said it received
+        self.need_ack = 0  # the last result not kept in the ledger: wait until it is acked
+        self.slots = [0] * SLOTS  # the result number each ledger slot keeps
+        self.allow_background = False  # leftovers are allowed: never hold
         self.shutdown = False
         self._tg: Any = None
         self._loop: Any = None  # asyncio: each call runs as a plain task (cheaper than anyio's)
@@ -245,25 +328,56 @@ class _Server:
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, Call):
-            if self.current is not None:  # the supervisor never does this
-                os._exit(EXIT_PROTOCOL)
-            controller = CancelController()
-            self.current = (msg.call_id, controller)
-            if self._loop is not None:
-                self._task = self._loop.create_task(self._run(msg, controller))
-                self._task.add_done_callback(self._call_done)
-            else:
-                self._tg.start_soon(self._run, msg, controller)
+            self.acked = max(self.acked, msg.acked)
+            self.queue.append(msg)
+            self._next()
+        elif isinstance(msg, Ack):
+            self.acked = max(self.acked, msg.results)
+            self._next()
         elif isinstance(msg, Cancel):
             if self.current is not None and self.current[0] == msg.call_id:
                 cancel_with_runtime_cause(self.current[1], CancelCause(msg.cause))  # type: ignore[arg-type]
                 self._send(encode(CancelAck(msg.call_id)))
+            else:
+                self._withdraw(msg.call_id)  # still queued: it never starts
+        elif isinstance(msg, Recall):
+            self._withdraw(msg.call_id)
+        elif isinstance(msg, Resume):
+            self.hold = False
+            self._next()
         elif isinstance(msg, Ping):
             self._send(encode(Pong(msg.nonce)))
         elif isinstance(msg, Shutdown):
             self.shutdown = True
+            while self.queue:
+                self._withdraw(self.queue[0].call_id)
             if self.current is None:
                 self._tg.cancel_scope.cancel()
+
+    def _withdraw(self, call_id: int) -> None:
+        """Take a queued call out of the queue, never to run here, and say so."""
+        for queued in self.queue:
+            if queued.call_id == call_id:
+                self.queue.remove(queued)
+                self._send(encode(Withdrawn(call_id)))
+                return
+
+    def _next(self) -> None:
+        """Take up the next queued call, if none runs and none may not yet."""
+        if self.current is not None or self.hold or self.shutdown or not self.queue:
+            return
+        if self.acked < self.need_ack:
+            return  # a result sent is in neither the ledger nor the supervisor's hands yet
+        msg = self.queue.popleft()
+        controller = CancelController()
+        self.current = (msg.call_id, controller)
+        if self.ledger is not None:
+            write_taken(self.ledger, msg.call_id)
+        if self._loop is not None:
+            self._task = self._loop.create_task(self._run(msg, controller))
+            self._task.add_done_callback(self._call_done)
+        else:
+            self._tg.start_soon(self._run, msg, controller)
 
     def _call_done(self, task: Any) -> None:
         """A call's task ended: a failure of the worker itself stops it, loudly."""
@@ -272,49 +386,107 @@ class _Server:
             self._failure = task.exception()
             self._tg.cancel_scope.cancel()
 
+    def _invoked(self, call_id: int, in_thread: bool) -> None:
+        """The registry is about to invoke the body: write the ledger. For a body that runs
+        in a thread, say 'started' only if it still runs once the loop turns (a quick body's
+        result says it); an async body could hold the loop for good: say it now."""
+        self.started_at = time.monotonic()
+        if self.ledger is not None:
+            write_invoked(self.ledger, call_id)
+        if in_thread and self._loop is not None:
+            self._loop.call_soon(self._still_running, call_id)
+        else:
+            self._send(encode(Started(call_id)))
+
+    def _still_running(self, call_id: int) -> None:
+        if self.current is not None and self.current[0] == call_id:
+            self._send(encode(Started(call_id)))
+
     async def _run(self, msg: Any, controller: Any) -> None:
         call_id = msg.call_id
         reap_zombies()  # leftovers the supervisor killed between calls
         if self.capture is not None:
             self.capture.begin()
         before = _usage()
+        self.started_at = 0.0
         try:
             args = unpack_value(msg.args, self.max_frame)
         except ValueError as exc:
             args = exc  # the registry turns a non-mapping into an ordinary `error`
 
-        def started() -> None:
-            self._send(encode(Started(call_id)))
-
+        spec = self.specs.get(msg.tool)
+        in_thread = spec is not None and not spec.is_async
         result = await self.registry.execute_owned(
-            msg.tool, args, controller=controller, call_id=str(call_id), on_dispatch=started
+            msg.tool,
+            args,
+            controller=controller,
+            call_id=str(call_id),
+            on_dispatch=lambda: self._invoked(call_id, in_thread),
         )
         packed = result._packed_value
         if packed is None and result.value is not None:
             packed = pack_value(result.value)
         extras = _usage_since(before)
+        if self.started_at:
+            extras["started_at"] = self.started_at
         if self.capture is not None:
             output, dropped = await anyio.to_thread.run_sync(self.capture.collect, call_id)
             extras["output"] = output
             extras["output_dropped"] = dropped
+        leftovers = len(_children()) if _has_children() else 0
+        if not leftovers and self.members is not None:
+            leftovers = _other_members(self.members)
+        # Left processes behind: take up nothing more until the supervisor killed them.
+        self.hold = leftovers > 0 and not self.allow_background
         self.current = None
-        self._send(
-            encode(
-                Result(
-                    call_id,
-                    result.outcome.value,
-                    packed,
-                    result.error,
-                    result.error_name,
-                    result.body_started,
-                    dict(result.context),
-                    len(_children()) if _has_children() else 0,
-                    extras,
-                )
-            )
+        reply = Result(
+            call_id,
+            result.outcome.value,
+            packed,
+            result.error,
+            result.error_name,
+            result.body_started,
+            dict(result.context),
+            leftovers,
+            extras,
         )
+        self.results += 1
+        slot = self._free_slot()
+        extras["kept"] = slot is not None
+        frame = encode(reply)
+        if slot is not None and len(frame) <= SLOT_PAYLOAD:
+            assert self.ledger is not None
+            write_slot(self.ledger, slot, self.results, frame)
+            self.slots[slot] = self.results
+        else:
+            if slot is not None:  # too large to keep after all: say so
+                extras["kept"] = False
+                frame = encode(reply)
+            self.need_ack = self.results
+        self._send(frame)
         if self.shutdown:
             self._tg.cancel_scope.cancel()
+        else:
+            self._next()
+
+    def _free_slot(self) -> int | None:
+        """A ledger slot whose result the supervisor has received, if any."""
+        if self.ledger is None:
+            return None
+        for slot, seq in enumerate(self.slots):
+            if seq <= self.acked:
+                return slot
+        return None
+
+
+def _other_members(fd: int) -> int:
+    """How many processes other than this one the worker's cgroup lists."""
+    try:
+        pids = os.pread(fd, 1 << 16, 0).split()
+    except OSError:
+        return 0
+    me = str(os.getpid()).encode()
+    return sum(1 for p in pids if p != me)
 
 
 def _children() -> list[int]:

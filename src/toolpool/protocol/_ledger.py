@@ -1,0 +1,80 @@
+"""The ledger: a small file the supervisor creates per worker and the worker maps as shared
+memory, so what it writes there reaches the supervisor even if it dies the next instant (a
+message it sent may still sit in its zmq queue when it is killed). See ``docs/protocol.md``.
+
+Layout (all integers little-endian u64):
+
+- offset 0: 1 + the id of the call the worker last took up (0: none yet);
+- offset 8: 1 + the id of the call whose body it last invoked (0: none yet);
+- offset :data:`SLOTS_AT` + i * :data:`SLOT_SIZE`, for i < :data:`SLOTS`: a kept result: its
+  sequence number among the worker's results (1, 2, ...; 0: empty), the frame's length, then
+  the frame (a ``result`` message exactly as sent).
+
+The worker writes; the supervisor reads only once the worker is gone, and validates what it
+reads like any frame from a worker: the file is the worker's to scribble on.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
+__all__ = (
+    "LEDGER_SIZE",
+    "SLOTS",
+    "SLOT_PAYLOAD",
+    "read_ledger",
+    "write_invoked",
+    "write_slot",
+    "write_taken",
+)
+
+_U64: Final = struct.Struct("<Q")
+_MARKS: Final = struct.Struct("<QQ")
+SLOTS_AT: Final = 4096
+SLOT_SIZE: Final = 16 * 1024
+SLOTS: Final = 4
+#: The largest result frame a slot keeps; a larger one is not kept.
+SLOT_PAYLOAD: Final = SLOT_SIZE - 16
+LEDGER_SIZE: Final = SLOTS_AT + SLOTS * SLOT_SIZE
+
+
+def write_taken(buf: WriteableBuffer, call_id: int) -> None:
+    """The worker takes up ``call_id`` (its body is not invoked yet)."""
+    _MARKS.pack_into(buf, 0, call_id + 1, 0)
+
+
+def write_invoked(buf: WriteableBuffer, call_id: int) -> None:
+    """The worker is about to invoke the body of ``call_id``."""
+    _U64.pack_into(buf, 8, call_id + 1)
+
+
+def write_slot(buf: WriteableBuffer, slot: int, seq: int, frame: bytes) -> None:
+    """Keep ``frame``, the worker's result number ``seq``, in ``slot``. The sequence number
+    goes last: a worker killed half-way leaves the slot's old, already received, number."""
+    at = SLOTS_AT + slot * SLOT_SIZE
+    view = memoryview(buf)
+    view[at + 16 : at + 16 + len(frame)] = frame
+    _U64.pack_into(view, at + 8, len(frame))
+    _U64.pack_into(view, at, seq)
+
+
+def read_ledger(data: bytes) -> tuple[int, int, list[tuple[int, bytes]]]:
+    """Parse a ledger's bytes: (taken, invoked, [(seq, frame) of each kept result, by seq]).
+    Lengths are checked; frames are not decoded."""
+    if len(data) < SLOTS_AT:
+        return 0, 0, []
+    taken, invoked = _MARKS.unpack_from(data, 0)
+    kept: list[tuple[int, bytes]] = []
+    for slot in range(SLOTS):
+        at = SLOTS_AT + slot * SLOT_SIZE
+        if len(data) < at + 16:
+            break
+        seq, length = _MARKS.unpack_from(data, at)
+        if seq and length <= SLOT_PAYLOAD and len(data) >= at + 16 + length:
+            kept.append((seq, data[at + 16 : at + 16 + length]))
+    kept.sort()
+    return taken, invoked, kept
