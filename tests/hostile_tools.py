@@ -287,29 +287,39 @@ def find_user_key(description: str) -> str:
 @registry.tool
 def leave_hidden_leftover(marker: str, how: str) -> int:
     """Leave a process behind that the worker's own count misses: ``how="patch"`` makes the
-    worker's check say it has no children; ``how="clone_parent"`` starts the process with
-    clone(CLONE_PARENT), so it is the worker's parent's (the reaper's) child, not the worker's.
-    Returns the process's pid."""
+    worker's checks say it has no children and its cgroup no other member (only the
+    supervisor's own look at the cgroup then finds it); ``how="clone_parent"`` starts the
+    process with clone(CLONE_PARENT), so it is the worker's parent's (the reaper's) child,
+    not the worker's (its own cgroup check finds it, and the supervisor's).
+    Returns the process's pid, once the shell has started its sleep: two processes left."""
     import ctypes
     import platform
     import signal
     import subprocess
+    import time
+
+    import psutil
 
     command = ["/bin/sh", "-c", f"sleep 600; : {marker}"]
     if how == "patch":
         import toolpool.worker._main as worker_main
 
         worker_main._has_children = lambda: False  # type: ignore[attr-defined]
-        return subprocess.Popen(command, start_new_session=True).pid
-    clone = {"x86_64": 56, "aarch64": 220}[platform.machine()]
-    python = ctypes.PyDLL(None)  # holds the GIL across the raw clone
-    python.syscall.restype = ctypes.c_long
-    pid = int(python.syscall(clone, 0x00008000 | signal.SIGCHLD, 0, 0, 0, 0))  # CLONE_PARENT
-    if pid == 0:
-        try:
-            os.execv(command[0], command)
-        finally:
-            os._exit(1)
+        worker_main._other_members = lambda fd: 0  # type: ignore[attr-defined]
+        pid = subprocess.Popen(command, start_new_session=True).pid
+    else:
+        clone = {"x86_64": 56, "aarch64": 220}[platform.machine()]
+        python = ctypes.PyDLL(None)  # holds the GIL across the raw clone
+        python.syscall.restype = ctypes.c_long
+        pid = int(python.syscall(clone, 0x00008000 | signal.SIGCHLD, 0, 0, 0, 0))  # CLONE_PARENT
+        if pid == 0:
+            try:
+                os.execv(command[0], command)
+            finally:
+                os._exit(1)
+    shell = psutil.Process(pid)
+    while not shell.children():  # the shell forks its sleep on its own time
+        time.sleep(0.001)
     return pid
 
 
