@@ -37,6 +37,7 @@ __all__ = (
     "TOOLS",
     "Readiness",
     "alive",
+    "approving",
     "assert_pool_closed",
     "find_by_marker",
     "new_marker",
@@ -69,6 +70,28 @@ for _fn in (
     examples.pid,
 ):
     registry.add_tool(_fn)
+
+
+#: Tools whose approval may wait (``gated``'s approval sleeps ``seconds``), for the tests
+#: of what a worker does while a call sits in a stage before its body.
+approving = Registry()
+approving.add_tool(examples.echo)
+
+
+@approving.tool
+def gated(seconds: float) -> str:
+    """A sync body behind an approval that takes ``seconds``."""
+    return "approved"
+
+
+@approving.approval
+async def _approve_slowly(execution: ToolExecution) -> bool:
+    """Takes ``seconds`` to approve ``gated``; a cancel ends the wait (cooperative)."""
+    if execution.tool == "gated":
+        with anyio.move_on_after(float(execution.args["seconds"])):
+            await execution.signal.wait()
+        execution.signal.raise_if_cancelled()
+    return True
 
 
 @registry.tool

@@ -154,6 +154,21 @@ async def test_a_result_is_never_lost_to_the_next_calls_crash(size: int) -> None
             assert (await crash).outcome is Outcome.WORKER_LOST
 
 
+async def test_a_held_back_result_goes_out_once_the_next_call_takes_time() -> None:
+    """A worker sends a result together with those of the quick calls after it; a call that
+    takes time, even before its body (here: an approval that waits), releases it."""
+    async with running_pool("pool_support:approving", workers=1) as pool:
+        for _ in range(3):
+            first = pool.submit("echo", {"value": 1})
+            slow = pool.submit("gated", {"seconds": 30})
+            with anyio.fail_after(10):
+                result = await first
+            assert result.ok
+            assert not slow.done()
+            slow.cancel()
+            assert (await slow).outcome is Outcome.ABORTED_BEFORE_DISPATCH
+
+
 async def test_an_idle_worker_takes_back_calls_queued_behind_a_long_one() -> None:
     async with Readiness.open() as ready, running_pool(workers=2) as pool:
         long = pool.submit("ready_sync_nap", {"ready": ready.path, "seconds": 30})

@@ -35,8 +35,8 @@ __all__ = (
 _U64: Final = struct.Struct("<Q")
 _MARKS: Final = struct.Struct("<QQ")
 SLOTS_AT: Final = 4096
-SLOT_SIZE: Final = 16 * 1024
-SLOTS: Final = 4
+SLOT_SIZE: Final = 8 * 1024
+SLOTS: Final = 16
 #: The largest result frame a slot keeps; a larger one is not kept.
 SLOT_PAYLOAD: Final = SLOT_SIZE - 16
 LEDGER_SIZE: Final = SLOTS_AT + SLOTS * SLOT_SIZE

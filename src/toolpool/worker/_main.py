@@ -15,6 +15,11 @@ never taken up (it runs them elsewhere), whether the body of the one that was ha
 and every result sent, even one still in the dying worker's zmq queue. A result too large
 for the ledger must be acknowledged before the worker takes up its next call.
 
+While more calls wait in its queue and each is quick, the worker holds back up to
+``HOLD_BACK`` results (kept in the ledger) and sends them together: one wake-up of each
+side's zmq thread for several calls. A call that makes the loop turn (its body runs longer
+than a moment, or a stage before it waits) sends what was held back at once.
+
 The worker never kills or abandons anything: a cancel message only cancels the call's signal,
 or withdraws a call that is still queued.
 """
@@ -86,6 +91,8 @@ EXIT_PROTOCOL = 72
 #: asynchronously (a no-op body then costs no loop wake-up); a cancel, ping or shutdown that
 #: arrives meanwhile is read at most this late. See worker/_threads.py.
 QUICK_BODY_WAIT = 0.0002
+#: At most this many results are held back while the next queued calls run quickly.
+HOLD_BACK = 8
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -270,6 +277,7 @@ class _Server:
         self.acked = 0  # how many of them the supervisor said it received
         self.need_ack = 0  # the last result not kept in the ledger: wait until it is acked
         self.slots = [0] * SLOTS  # the result number each ledger slot keeps
+        self.pending: list[bytes] = []  # results kept in the ledger, held back (HOLD_BACK)
         self.allow_background = False  # leftovers are allowed: never hold
         self.shutdown = False
         self._tg: Any = None
@@ -310,6 +318,8 @@ class _Server:
             raise self._failure
 
     def _send(self, frame: bytes) -> None:
+        if self.pending:
+            self._flush()  # in order: results held back go first
         self.sock.send(frame, 0, copy=len(frame) < 65536)
         # Sending may consume the edge of zmq's notification fd: drain what arrived meanwhile.
         if self._readable(self.sock):
@@ -362,12 +372,33 @@ class _Server:
                 self._send(encode(Withdrawn(call_id)))
                 return
 
+    def _flush(self) -> None:
+        """Send the results held back, in order."""
+        pending, self.pending = self.pending, []
+        send = self.sock.send
+        for frame in pending:
+            send(frame, 0, copy=len(frame) < 65536)
+
+    def _send_pending(self) -> None:
+        self._flush()
+        if self._readable(self.sock):  # see _send
+            self._drain()
+
+    def _flush_unless_done(self, call_id: int) -> None:
+        """The loop turned while ``call_id`` runs: it takes time, so what it held back goes."""
+        if self.pending and self.current is not None and self.current[0] == call_id:
+            self._send_pending()
+
     def _next(self) -> None:
         """Take up the next queued call, if none runs and none may not yet."""
-        if self.current is not None or self.hold or self.shutdown or not self.queue:
+        if self.current is not None:
             return
-        if self.acked < self.need_ack:
-            return  # a result sent is in neither the ledger nor the supervisor's hands yet
+        if self.hold or self.shutdown or not self.queue or self.acked < self.need_ack:
+            # A result sent is in neither the ledger nor the supervisor's hands yet, or
+            # nothing is taken up now: what was held back goes at once.
+            if self.pending:
+                self._send_pending()
+            return
         msg = self.queue.popleft()
         controller = CancelController()
         self.current = (msg.call_id, controller)
@@ -376,6 +407,8 @@ class _Server:
         if self._loop is not None:
             self._task = self._loop.create_task(self._run(msg, controller))
             self._task.add_done_callback(self._call_done)
+            # Runs after the task's first step: only if the call did not finish in it.
+            self._loop.call_soon(self._flush_unless_done, msg.call_id)
         else:
             self._tg.start_soon(self._run, msg, controller)
 
@@ -463,7 +496,19 @@ class _Server:
                 extras["kept"] = False
                 frame = encode(reply)
             self.need_ack = self.results
-        self._send(frame)
+        if (
+            extras["kept"]
+            and self.queue
+            and not self.hold
+            and len(self.pending) < HOLD_BACK
+            and self._loop is not None
+        ):
+            # Another call is queued: send this result with the next ones, in one go (one
+            # wake-up of each side's zmq thread for several), unless that call takes time
+            # (_flush_unless_done). It is in the ledger meanwhile.
+            self.pending.append(frame)
+        else:
+            self._send(frame)
         if self.shutdown:
             self._tg.cancel_scope.cancel()
         else:
