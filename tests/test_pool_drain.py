@@ -40,6 +40,10 @@ class _InstantWorker:
         value = pack_value(msg.call_id)
         self.inbox.append(encode(Result(msg.call_id, "ok", value, None, None, True, {}, 0, {})))
 
+    def send_multipart(self, frames: list[bytes], flags: int = 0, copy: bool = True) -> None:
+        for frame in frames:
+            self.send(frame, flags, copy)
+
     def get(self, option: int) -> int:
         assert option == zmq.EVENTS
         return int(zmq.POLLIN) if self.inbox else 0

@@ -931,10 +931,11 @@ class Pool:
         if self._state in ("closing", "closed"):
             return  # what is still queued settles as aborted_before_dispatch (disposed)
         queue = self._queue
+        batches: dict[_Worker, list[Call]] = {}
         while queue:
             w = self._pick()
             if w is None:
-                return
+                break
             call = queue.popleft()
             if call._state is not _CallState.QUEUED:
                 continue
@@ -951,15 +952,37 @@ class Pool:
             w.calls.append(call)
             call._worker = w
             call._state = _CallState.SENT
-            call._times["dispatched"] = time.monotonic()
-            if not self._send(w, encode(CallMessage(call.id, call.tool, call._args, w.results))):
-                # Not handed over: the body cannot have started. Put it back and retire w:
+            batches.setdefault(w, []).append(call)
+        if batches:
+            self._send_calls(batches)
+        self._steal()
+
+    def _send_calls(self, batches: dict[_Worker, list[Call]]) -> None:
+        """Send each worker its new calls as one multipart message: one wake-up of zmq's
+        I/O thread for all of them (each part is one ``call`` frame to the worker)."""
+        now = time.monotonic()
+        for w, calls in batches.items():
+            frames = [encode(CallMessage(c.id, c.tool, c._args, w.results)) for c in calls]
+            for call in calls:
+                call._times["dispatched"] = now
+            sent = False
+            if not w.gone and not w.sock.closed:
+                try:
+                    w.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                    sent = True
+                except zmq.ZMQError:
+                    pass
+            if not sent:
+                # Not handed over: no body can have started. Put them back and retire w:
                 # its peer is gone (it died, or is dying of what it runs), not misbehaving.
-                w.calls.pop()
-                self._requeue(call)
+                for call in reversed(calls):
+                    w.calls.remove(call)
+                    self._requeue(call)
                 _log.info("worker %s: its socket refused a call; retiring it", w.wid)
                 self._quarantine(w, None)
-        self._steal()
+        for w in batches:  # sending may consume the edge of zmq's notification fd (_send)
+            if not w.draining and not w.sock.closed and readable(w.sock):
+                self._drain(w)
 
     def _pick(self) -> _Worker | None:
         """The worker for the next queued call: an idle one (within the warm-spare limit),
