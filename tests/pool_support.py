@@ -94,6 +94,41 @@ async def _approve_slowly(execution: ToolExecution) -> bool:
     return True
 
 
+def _wipe_ledger_marks() -> None:
+    """Zero the marks of this worker's ledger, as tool code that turned on its worker could."""
+    import gc
+
+    (server,) = [o for o in gc.get_objects() if type(o).__name__ == "_Server"]
+    server.ledger[0:16] = bytes(16)
+
+
+@registry.tool
+def wipe_ledger_and_exit(delay: float = 0.0) -> None:
+    """After ``delay``, make the ledger say no call was taken up, and kill the worker. With no
+    delay it keeps the GIL from the start, so its worker hardly ever says 'started'."""
+    import sys
+
+    if delay:
+        time.sleep(delay)
+    else:
+        sys.setswitchinterval(1e6)
+    _wipe_ledger_marks()
+    os._exit(9)
+
+
+@registry.tool
+def ready_wipe_ledger_and_hold_the_gil(ready: str) -> None:
+    """Announce, make the ledger say no call was taken up, then keep the GIL for good: the
+    worker's loop never runs again (no 'started', no answer to a cancel)."""
+    import sys
+
+    sys.setswitchinterval(1e6)
+    _wipe_ledger_marks()
+    _announce(ready)  # (its socket calls let the loop run for a moment)
+    while True:
+        pass
+
+
 @registry.tool
 def tree_size() -> int:
     """How many processes the worker has below it (a leftover of an earlier call counts)."""

@@ -258,3 +258,51 @@ async def test_a_steady_stream_through_few_workers_loses_nothing() -> None:
         stats = pool.statistics()
         assert stats.settled.get("ok") == 3000
         assert stats.workers_replaced == 0
+
+
+# --------------------------------------------------------------------------- a lying ledger
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+async def test_a_tool_that_wipes_its_ledger_and_dies_is_run_again_at_most_once(
+    prefetch: int,
+) -> None:
+    """Its marks say its call was never taken up, and its worker died: that happens to an
+    honest worker killed between calls, so the call is run once more, but not again."""
+    async with running_pool(workers=1, prefetch=prefetch) as pool:
+        result = await pool.call("wipe_ledger_and_exit")
+        assert result.outcome is Outcome.WORKER_LOST
+        runs = pool.statistics().workers_replaced  # each run kills a worker
+        # Unless its 'started' got out before it died (it holds the GIL to prevent that).
+        assert runs in (1, 2)
+        assert result.body_started is (True if runs == 1 else None)
+        assert (await pool.call("echo", {"value": 1})).ok
+
+
+async def test_a_tool_that_wipes_its_ledger_after_its_start_was_reported_is_not_run_again() -> None:
+    async with running_pool(workers=1) as pool:
+        call = pool.submit("wipe_ledger_and_exit", {"delay": 0.5})
+        assert await call.wait_started()
+        result = await call
+        assert result.outcome is Outcome.WORKER_LOST
+        assert result.body_started is True
+        assert pool.statistics().workers_replaced == 1
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+async def test_a_tool_that_wipes_its_ledger_and_holds_the_gil_is_still_killed(
+    prefetch: int,
+) -> None:
+    async with Readiness.open() as ready, running_pool(workers=1, prefetch=prefetch) as pool:
+        call = pool.submit("ready_wipe_ledger_and_hold_the_gil", {"ready": ready.path})
+        queued = pool.submit("echo", {"value": 1})
+        await ready.started()
+        call.cancel()
+        with anyio.fail_after(20):
+            result = await call
+        assert result.outcome is Outcome.KILLED
+        assert result.rung is Rung.SIGTERM
+        assert result.body_started is not False  # never "did not start": it ran
+        assert pool.statistics().workers_replaced == 1  # not run again
+        after = await queued
+        assert after.ok, after  # run by the replacement

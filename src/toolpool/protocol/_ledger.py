@@ -27,6 +27,7 @@ __all__ = (
     "SLOTS",
     "SLOT_PAYLOAD",
     "read_ledger",
+    "read_marks",
     "write_invoked",
     "write_slot",
     "write_taken",
@@ -60,6 +61,14 @@ def write_slot(buf: WriteableBuffer, slot: int, seq: int, frame: bytes) -> None:
     view[at + 16 : at + 16 + len(frame)] = frame
     _U64.pack_into(view, at + 8, len(frame))
     _U64.pack_into(view, at, seq)
+
+
+def read_marks(data: bytes) -> tuple[int, int] | None:
+    """The two marks from the first 16 bytes of a ledger, or None if they are missing."""
+    if len(data) < _MARKS.size:
+        return None
+    taken, invoked = _MARKS.unpack_from(data, 0)
+    return taken, invoked
 
 
 def read_ledger(data: bytes) -> tuple[int, int, list[tuple[int, bytes]]]:

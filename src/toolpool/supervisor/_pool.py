@@ -74,7 +74,7 @@ from ..protocol import (
 from ..protocol import (
     Result as ResultMessage,
 )
-from ..protocol._ledger import LEDGER_SIZE, read_ledger
+from ..protocol._ledger import LEDGER_SIZE, read_ledger, read_marks
 from ..sandbox import LAYERS, Profile, parse_size
 from ..sandbox._cgroups import CgroupSet
 from ..sandbox._profile import _human as _human_size
@@ -97,14 +97,14 @@ _DISPOSED: Final = CancelCause("disposed")
 _PARENT: Final = CancelCause("parent")
 _TIMEOUT: Final = CancelCause("timeout")
 _RUNG_ORDER: Final = {Rung.NONE: 0, Rung.CANCEL: 1, Rung.SIGTERM: 2, Rung.SIGKILL: 3}
-#: The marks at the start of a worker's ledger (protocol/_ledger.py).
-_MARKS: Final = struct.Struct("<QQ")
 WORKER_LOST_TEXT: Final = "Error: worker lost"
 KILLED_TEXT: Final = "Error: tool call killed"
 TIMEOUT_TEXT: Final = "Error: tool call timed out"
 
 WorkerOutput = Literal["discard", "inherit"]
 StartMethod = Literal["fork", "spawn"]
+#: Calls a busy worker may hold queued (``Pool(prefetch=None)``), but see there.
+DEFAULT_PREFETCH: Final = 2
 #: The worker's exit status after it sent 'fatal' (see worker/_main.py).
 EXIT_TOOLS_FAILED: Final = 71
 
@@ -136,6 +136,7 @@ class Call:
         "_laddering",
         "_pool",
         "_recalling",
+        "_requeued",
         "_result",
         "_rung",
         "_started",
@@ -169,6 +170,7 @@ class Call:
         self._laddering = False
         self._forced = False
         self._recalling = False  # a recall (or the worker's shutdown) may withdraw it
+        self._requeued = False  # run elsewhere once, first in line in a worker that died
         self._times: dict[str, float] = {"submitted": time.monotonic()}
 
     def cancel(self, cause: object = None, *, force: bool = False) -> None:
@@ -428,7 +430,7 @@ class Pool:
         capture_output: int | str | None = None,
         warm_spares: int = 0,
         start_method: StartMethod = "fork",
-        prefetch: int = 2,
+        prefetch: int | None = None,
     ) -> None:
         """
         :param tools: ``"module:attribute"`` naming the Registry.
@@ -459,7 +461,11 @@ class Pool:
             queue, to take up the moment its running call ends (no round trip in between).
             A queued call is never lost or half-run: if its worker dies, or is killed for
             another call, it runs elsewhere; a cancel withdraws it; an idle worker takes
-            queued calls back from a busy one. 0 sends a call only to an idle worker.
+            queued calls back from a busy one. 0 sends a call only to an idle worker. None
+            (default): 2, or 0 with a profile that runs workers under another uid (as
+            ``untrusted`` does): there the supervisor then looks for leftover processes
+            itself after every call, which it cannot while another call is already queued
+            in the worker (``docs/pool.md``).
         """
         if not isinstance(tools, str) or ":" not in tools:
             raise ConfigurationError(f"tools must be 'module:attribute', got {tools!r}")
@@ -501,6 +507,8 @@ class Pool:
         if start_method not in ("fork", "spawn"):
             raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
         self.start_method: StartMethod = start_method
+        if prefetch is None:
+            prefetch = 0 if profile.user is not None else DEFAULT_PREFETCH
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be a non-negative integer, got {prefetch!r}")
         self.prefetch = prefetch
@@ -1008,6 +1016,8 @@ class Pool:
                 # Only behind bodies that leave the worker's loop free to withdraw it: an
                 # async body can hold the loop (and the queue) for as long as it runs.
                 and all(c.tool in threaded for c in w.calls)
+                # Not behind a call being cancelled: its worker may be killed for it.
+                and w.calls[0]._cause is None
             ):
                 best = w
         return best
@@ -1078,10 +1088,11 @@ class Pool:
         assert w is not None
         if force:
             call._forced = True
-            if self._taken(w, call):
+            if self._first_in(w, call):  # nothing else of w's is hit
                 self._kill(w, call)
                 return
-            # Not begun: withdraw it like any other; kill only if its worker takes it up.
+            # Waiting behind another call: withdraw it like any other; kill only if it
+            # becomes the call its worker runs.
         if call._rung is Rung.NONE:
             self._raise_rung(call, Rung.CANCEL)
             w.acks_expected.add(call.id)
@@ -1116,10 +1127,11 @@ class Pool:
 
     async def _ladder(self, w: _Worker, call: Call) -> None:
         """The escalation ladder of one worker: cancel message, SIGTERM, SIGKILL (C4.2)."""
-        # A call still in w's queue is withdrawn at once, unless w's loop is held up (a body
-        # keeps the GIL): then it is withdrawn later, or taken up and sees its cancelled
-        # signal. Never kill a worker, and the call it runs, for a call not begun there.
-        while call._result is None and not w.gone and not self._taken(w, call):
+        # A call waiting behind another in w's queue is withdrawn at once, unless w's loop is
+        # held up (a body keeps the GIL): then it is withdrawn later, or taken up and sees
+        # its cancelled signal. Never kill a worker, and the call it runs, for a call
+        # waiting behind it. Once it is w's first call, nothing else runs there.
+        while call._result is None and not w.gone and not self._first_in(w, call):
             with anyio.move_on_after(0.05):
                 await call.wait()
         if call._forced and call._result is None and not w.gone:
@@ -1138,20 +1150,14 @@ class Pool:
         if not w.gone:
             self._kill(w, call)
 
-    def _taken(self, w: _Worker, call: Call) -> bool:
-        """Whether w has taken call up: it said so, or its ledger names it or a call sent
-        after it (w takes its calls up in the order sent)."""
-        if call._started:
+    def _first_in(self, w: _Worker, call: Call) -> bool:
+        """Whether call is the one w runs or takes up next: first in line here, or named by
+        w's ledger (the call before may have ended there, its result not read yet). Marks
+        that lie can only get their own worker killed sooner."""
+        if call is w.call:
             return True
-        ledger = _read_marks(w)
-        if ledger is None:
-            return True
-        later = False
-        for c in w.calls:
-            later = later or c is call
-            if later and ledger[0] == c.id + 1:
-                return True
-        return False
+        marks = _read_marks(w)
+        return marks is not None and marks[0] == call.id + 1
 
     def _raise_rung(self, call: Call, rung: Rung) -> None:
         if _RUNG_ORDER[rung] > _RUNG_ORDER[call._rung]:
@@ -1829,36 +1835,60 @@ class Pool:
         self._dispatch()  # a warm spare (or any idle worker) takes what is queued
 
     def _settle_calls_of_dead(self, w: _Worker) -> None:
-        """Settle the calls w held when it died, by its ledger: a call it never took up runs
-        elsewhere (or, cancelled, settles as never started); the one it took up is killed
-        or lost, and its body had started exactly if the ledger says it was invoked."""
+        """Settle the calls w held when it died (its kept results are settled first).
+
+        Only its first call can have been taken up: w takes a call only once the result of
+        the one before is in the supervisor's hands or in its ledger. The calls behind it run
+        elsewhere (or, cancelled, settle as never started). The ledger's marks say whether
+        the first one was taken up and its body invoked; they are the worker's own word,
+        believed only where they are consistent with what this side saw, and never to run a
+        call again more than once.
+        """
         ledger = self._read_ledger(w)
         calls = list(w.calls)
         w.calls.clear()
-        taken = len(calls) - 1  # without a ledger, any of them may have been taken up
-        if ledger is not None:
-            taken = max((i for i, c in enumerate(calls) if ledger[0] == c.id + 1), default=-1)
+        if not calls:
+            return
+        head = calls[0]
+        taken: bool
+        started: bool | None = None
+        if head._started:
+            taken, started = True, True
+        elif ledger is None or "sigterm" in head._times:
+            # No ledger; or w did not answer a cancel of its first call within the grace
+            # period, which an idle worker always does (it withdraws a call not taken up).
+            taken = True
+        elif ledger[0] == head.id + 1:
+            taken, started = True, ledger[1] == head.id + 1
+        elif any(ledger[0] == c.id + 1 for c in calls[1:]):
+            taken = True  # names a call it cannot have begun: the marks are not to be believed
+        else:
+            taken = False
         now = time.monotonic()
-        for i, call in enumerate(calls):
-            if i > taken:  # never taken up: nothing of it ran
-                call._worker = None
-                if call._cause is not None:
-                    call._rung = Rung.CANCEL
-                    call._times.pop("sigterm", None)
-                    call._times.pop("sigkill", None)
-                    self._settle_unstarted(call, call._cause)
-                continue
-            started: bool | None = call._started or None
-            if ledger is not None and i == taken:
-                started = call._started or ledger[1] == call.id + 1
+        requeue: list[Call] = []
+        for call in calls if not taken else calls[1:]:
+            call._worker = None
+            if call._cause is not None:  # never taken up, and cancelled meanwhile
+                call._rung = Rung.CANCEL
+                call._times.pop("sigterm", None)
+                call._times.pop("sigkill", None)
+                self._settle_unstarted(call, call._cause)
+            elif call is head and call._requeued:
+                # Again its worker died with it first in line and, by the marks, not taken
+                # up: the marks are suspect; it is not run a third time.
+                call._worker = w
+                taken = True
+            else:
+                requeue.append(call)
+        if taken:
             for step, rung in (("sigterm", Rung.SIGTERM), ("sigkill", Rung.SIGKILL)):
                 if step in w.signals:  # it died of them, whichever call they were sent for
-                    self._raise_rung(call, rung)
-                    call._times.setdefault(step, w.signals[step])
-            call._times["reaped"] = now
+                    self._raise_rung(head, rung)
+                    head._times.setdefault(step, w.signals[step])
+            head._times["reaped"] = now
             if w.escalated and w.violation is None:
                 self._settle(
-                    call,
+                    head,
                     Outcome.KILLED,
                     error=KILLED_TEXT,
                     error_name="Killed",
@@ -1870,16 +1900,17 @@ class Pool:
                     w.exit_status, w.disconnected, w.oom_kills, self.profile.memory
                 )
                 self._settle(
-                    call,
+                    head,
                     Outcome.WORKER_LOST,
                     error=f"{WORKER_LOST_TEXT}: {reason}",
                     error_name="WorkerLost",
                     body_started=started,
                     exit_status=w.exit_status,
                 )
-        for call in reversed(calls[taken + 1 :]):
-            if call._result is None:
-                self._requeue(call)  # in order, at the front
+        if head in requeue:
+            head._requeued = True
+        for call in reversed(requeue):
+            self._requeue(call)  # in order, at the front
 
     def _read_ledger(self, w: _Worker) -> tuple[int, int] | None:
         """Read w's ledger once it is gone: settle the calls whose results it kept there but
@@ -1932,18 +1963,14 @@ class Pool:
 
 
 def _read_marks(w: _Worker) -> tuple[int, int] | None:
-    """The marks of w's ledger: (1 + id of the call last taken up, 1 + id of the call whose
-    body was last invoked), or None if it cannot be read."""
+    """The marks of w's ledger, read while it lives (protocol/_ledger.py), or None."""
     if w.ledger_fd is None:
         return None
     try:
-        data = os.pread(w.ledger_fd, _MARKS.size, 0)
+        data = os.pread(w.ledger_fd, 16, 0)
     except OSError:
         return None
-    if len(data) != _MARKS.size:
-        return None
-    taken, invoked = _MARKS.unpack(data)
-    return taken, invoked
+    return read_marks(data)
 
 
 def _other_members(w: _Worker) -> int:
