@@ -306,3 +306,14 @@ async def test_a_tool_that_wipes_its_ledger_and_holds_the_gil_is_still_killed(
         assert pool.statistics().workers_replaced == 1  # not run again
         after = await queued
         assert after.ok, after  # run by the replacement
+
+
+def test_prefetch_defaults_and_bad_values() -> None:
+    import toolpool
+
+    assert toolpool.Pool("pool_support:registry").prefetch == 2
+    assert toolpool.Pool("pool_support:registry", profile="untrusted").prefetch == 0
+    assert toolpool.Pool("pool_support:registry", profile="untrusted", prefetch=3).prefetch == 3
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="prefetch"):
+            toolpool.Pool("pool_support:registry", prefetch=bad)  # type: ignore[arg-type]
