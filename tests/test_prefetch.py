@@ -7,9 +7,14 @@ left processes behind. The worker's ledger keeps what a dying worker had not yet
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import anyio
 import pytest
@@ -26,6 +31,34 @@ DISPOSED = {"kind": "disposed"}
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@contextmanager
+def blocking_listener() -> Iterator[tuple[str, socket.socket]]:
+    """A unix socket for a ``ready_*`` tool's announcement, accepted *blocking*: while the
+    test waits on it, the pool's loop reads nothing from its workers (as a supervisor busy
+    elsewhere would not)."""
+    directory = tempfile.mkdtemp(prefix="tp-block-")
+    path = os.path.join(directory, "s")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        listener.listen(4)
+        listener.settimeout(15)
+        yield path, listener
+    finally:
+        listener.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def accept_announcement(listener: socket.socket) -> list[int]:
+    """Block until a ``ready_*`` tool announces itself; its pids."""
+    conn, _ = listener.accept()
+    data = b""
+    with conn:
+        while chunk := conn.recv(256):
+            data += chunk
+    return [int(p) for p in data.split()]
 
 
 @pytest.fixture
@@ -243,3 +276,28 @@ async def test_a_steady_stream_through_few_workers_loses_nothing() -> None:
         stats = pool.statistics()
         assert stats.settled.get("ok") == 3000
         assert stats.workers_replaced == 0
+
+
+async def test_forcing_a_call_whose_result_is_on_its_way_spares_the_call_after_it() -> None:
+    """The worker has finished the forced call and taken up the next one, but the supervisor
+    has not read the result yet (it was busy: here the test holds its loop). Its ledger says
+    so: killing the worker now would kill the next call, which nobody cancelled."""
+    with blocking_listener() as (path, listener):
+        async with running_pool(workers=1) as pool:
+            first = pool.submit("echo", {"value": 1})
+            after = pool.submit("ready_sync_nap", {"ready": path, "seconds": 30})
+            (pid,) = accept_announcement(listener)  # first's result waits, unread
+            first.cancel(force=True)
+            done = await first
+            assert done.ok, done
+            assert done.value == 1
+            assert done.rung is not Rung.SIGKILL
+            assert done.timeline.sigkill is None
+            assert not after.done()
+            assert pool.worker_pids() == [pid]
+            after.cancel()
+            stopped = await after
+            assert stopped.outcome is Outcome.ABORTED, stopped
+            assert stopped.cause == USER
+            assert stopped.rung is Rung.CANCEL
+            assert stopped.worker_pid == pid

@@ -1055,10 +1055,12 @@ class Pool:
         assert w is not None
         if force:
             call._forced = True
-            if self._taken(w, call):
+            if self._progress(w, call) == 0:
                 self._kill(w, call)
                 return
             # Not begun: withdraw it like any other; kill only if its worker takes it up.
+            # Or over there: w took up a call sent after it, so its result is on its way
+            # (the ladder waits for it): a kill now would take the next call, uncancelled.
         if call._rung is Rung.NONE:
             self._raise_rung(call, Rung.CANCEL)
             w.acks_expected.add(call.id)
@@ -1100,10 +1102,13 @@ class Pool:
             with anyio.move_on_after(0.05):
                 await call.wait()
         if call._forced and call._result is None and not w.gone:
-            self._kill(w, call)
+            await self._await_sent_result(w, call)
+            if call._result is None and not w.gone:
+                self._kill(w, call)
             return
         with anyio.move_on_after(self.cancel_grace):
             await call.wait()
+        await self._await_sent_result(w, call)
         if call._result is not None and w.state is not WorkerState.QUARANTINED:
             return
         if w.gone:
@@ -1118,17 +1123,30 @@ class Pool:
     def _taken(self, w: _Worker, call: Call) -> bool:
         """Whether w has taken call up: it said so, or its ledger names it or a call sent
         after it (w takes its calls up in the order sent)."""
-        if call._started:
-            return True
+        return self._progress(w, call) >= 0
+
+    def _progress(self, w: _Worker, call: Call) -> int:
+        """Where w is with call: -1, not taken up yet; 0, taken up (it may run it still);
+        1, done with it: its ledger names a call sent after it, which w takes up only once
+        it sent call's result (kept in its ledger, or acknowledged)."""
         ledger = _read_marks(w)
         if ledger is None:
-            return True
-        later = False
+            return 0
+        seen = False
         for c in w.calls:
-            later = later or c is call
-            if later and ledger[0] == c.id + 1:
-                return True
-        return False
+            if c is call:
+                seen = True
+            elif seen and ledger[0] == c.id + 1:
+                return 1
+        return 0 if call._started or ledger[0] == call.id + 1 else -1
+
+    async def _await_sent_result(self, w: _Worker, call: Call) -> None:
+        """If w is done with call, its result is on its way: give it term_grace to arrive
+        before escalating against w, which may run an uncancelled call since. Bounded: the
+        ledger is the worker's to scribble on."""
+        if call._result is None and not w.gone and self._progress(w, call) == 1:
+            with anyio.move_on_after(self.term_grace):
+                await call.wait()
 
     def _raise_rung(self, call: Call, rung: Rung) -> None:
         if _RUNG_ORDER[rung] > _RUNG_ORDER[call._rung]:
