@@ -301,3 +301,25 @@ async def test_forcing_a_call_whose_result_is_on_its_way_spares_the_call_after_i
             assert stopped.cause == USER
             assert stopped.rung is Rung.CANCEL
             assert stopped.worker_pid == pid
+
+
+# --------------------------------------------------------------------------- a hostile ledger
+# The ledger is the worker's to scribble on (tests/hostile_tools.py finds it in the worker).
+
+HOSTILE = "hostile_tools:registry"
+
+
+async def test_a_ledger_never_unsays_a_start_its_worker_reported() -> None:
+    """A body that erased its ledger's marks after its worker said it started, then was
+    killed: it started (the supervisor saw it), whatever the ledger says now."""
+    async with Readiness.open() as ready, running_pool(HOSTILE, workers=1) as pool:
+        call = pool.submit("erase_ledger_and_wait", {"ready": ready.path})
+        (pid,) = await ready.started()
+        assert await call.wait_started()
+        call.cancel(force=True)
+        result = await call
+        assert result.outcome is Outcome.KILLED, result
+        assert result.body_started is True
+        assert result.rung is Rung.SIGKILL
+        assert result.worker_pid == pid
+        assert pool.statistics().submitted == 1  # not run again elsewhere

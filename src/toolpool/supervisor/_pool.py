@@ -1832,7 +1832,11 @@ class Pool:
         w.calls.clear()
         taken = len(calls) - 1  # without a ledger, any of them may have been taken up
         if ledger is not None:
-            taken = max((i for i, c in enumerate(calls) if ledger[0] == c.id + 1), default=-1)
+            # The ledger is the worker's to scribble on: it never unsays a start w reported.
+            taken = max(
+                (i for i, c in enumerate(calls) if ledger[0] == c.id + 1 or c._started),
+                default=-1,
+            )
         now = time.monotonic()
         for i, call in enumerate(calls):
             if i > taken:  # never taken up: nothing of it ran
