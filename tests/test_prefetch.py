@@ -323,3 +323,16 @@ async def test_a_ledger_never_unsays_a_start_its_worker_reported() -> None:
         assert result.rung is Rung.SIGKILL
         assert result.worker_pid == pid
         assert pool.statistics().submitted == 1  # not run again elsewhere
+
+
+async def test_a_call_whose_workers_die_before_taking_it_up_does_not_run_forever() -> None:
+    """A body that clears its ledger's marks and exits before its worker can say it started:
+    by the ledger, the call was never taken up, so it runs elsewhere; again and again, were
+    there no bound (each run a fresh worker; the call never settled)."""
+    async with running_pool(HOSTILE, workers=1) as pool:
+        with anyio.fail_after(30):
+            result = await pool.call("erase_ledger_and_exit")
+        assert result.outcome is Outcome.WORKER_LOST, result
+        assert result.body_started is not False  # it may have run (it did)
+        assert pool.statistics().workers_replaced <= 3
+        assert (await pool.call("echo", {"value": 1})).value == 1

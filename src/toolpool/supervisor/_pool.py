@@ -99,6 +99,9 @@ _TIMEOUT: Final = CancelCause("timeout")
 _RUNG_ORDER: Final = {Rung.NONE: 0, Rung.CANCEL: 1, Rung.SIGTERM: 2, Rung.SIGKILL: 3}
 #: The marks at the start of a worker's ledger (protocol/_ledger.py).
 _MARKS: Final = struct.Struct("<QQ")
+#: How many workers may die with a call first in their line and, by their ledgers, not
+#: taken up, before it settles as lost (its body may have run: the ledger is the worker's).
+_MAX_UNTAKEN_DEATHS: Final = 3
 WORKER_LOST_TEXT: Final = "Error: worker lost"
 KILLED_TEXT: Final = "Error: tool call killed"
 TIMEOUT_TEXT: Final = "Error: tool call timed out"
@@ -142,6 +145,7 @@ class Call:
         "_started_event",
         "_state",
         "_times",
+        "_untaken_deaths",
         "_worker",
         "id",
         "tool",
@@ -169,6 +173,7 @@ class Call:
         self._laddering = False
         self._forced = False
         self._recalling = False  # a recall (or the worker's shutdown) may withdraw it
+        self._untaken_deaths = 0  # workers that died with it first in line, not taken up
         self._times: dict[str, float] = {"submitted": time.monotonic()}
 
     def cancel(self, cause: object = None, *, force: bool = False) -> None:
@@ -1837,6 +1842,13 @@ class Pool:
                 (i for i, c in enumerate(calls) if ledger[0] == c.id + 1 or c._started),
                 default=-1,
             )
+        distrusted = False
+        if ledger is not None and taken < 0 and calls and calls[0]._cause is None:
+            # First in line, yet never taken up: it runs elsewhere. Not forever: a tool that
+            # erases its worker's ledger and exits would otherwise run again and again.
+            calls[0]._untaken_deaths += 1
+            if calls[0]._untaken_deaths >= _MAX_UNTAKEN_DEATHS:
+                taken, distrusted = 0, True
         now = time.monotonic()
         for i, call in enumerate(calls):
             if i > taken:  # never taken up: nothing of it ran
@@ -1848,7 +1860,7 @@ class Pool:
                     self._settle_unstarted(call, call._cause)
                 continue
             started: bool | None = call._started or None
-            if ledger is not None and i == taken:
+            if ledger is not None and i == taken and not distrusted:
                 started = call._started or ledger[1] == call.id + 1
             for step, rung in (("sigterm", Rung.SIGTERM), ("sigkill", Rung.SIGKILL)):
                 if step in w.signals:  # it died of them, whichever call they were sent for
