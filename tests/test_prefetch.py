@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from contextlib import contextmanager
 import anyio
 import pytest
 
-from pool_support import Readiness, new_marker, running_pool
+import toolpool
+from pool_support import TOOLS, Readiness, new_marker, running_pool, workers_of_reaper
 from toolpool import Outcome, Rung
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60, method="thread")]
@@ -301,6 +303,26 @@ async def test_forcing_a_call_whose_result_is_on_its_way_spares_the_call_after_i
             assert stopped.cause == USER
             assert stopped.rung is Rung.CANCEL
             assert stopped.worker_pid == pid
+
+
+async def test_a_call_queued_in_a_worker_settles_when_the_reaper_dies() -> None:
+    """Without its reaper the pool is broken: its queue fails at once, and a call waiting in a
+    worker that dies with the reaper must fail too, not wait in a queue nothing serves."""
+    async with Readiness.open() as ready:
+        async with toolpool.Pool(TOOLS, workers=1) as pool:
+            running = pool.submit("ready_sync_nap", {"ready": ready.path, "seconds": 30})
+            await ready.started()
+            queued = pool.submit("echo", {"value": 1})
+            assert pool.statistics().queued == 1
+            reaper = pool.reaper_pid
+            assert reaper is not None
+            os.kill(reaper, signal.SIGKILL)
+            assert (await running).outcome is Outcome.WORKER_LOST
+            with anyio.fail_after(10):
+                result = await queued
+            assert result.outcome is Outcome.WORKER_LOST, result
+            assert result.body_started is False
+        assert workers_of_reaper(reaper) == []
 
 
 # --------------------------------------------------------------------------- a hostile ledger

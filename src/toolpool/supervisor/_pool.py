@@ -1025,6 +1025,8 @@ class Pool:
             self._cancel_call(call, _DISPOSED, force=False)
             return
         self._queue.appendleft(call)
+        if self._broken is not None:  # nor here: it fails like the rest of the queue did
+            self._fail_queue()
 
     def _serving(self) -> int:
         return sum(1 for w in self._workers.values() if w.calls)
