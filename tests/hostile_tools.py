@@ -374,3 +374,25 @@ async def erase_ledger_and_wait(
         await execution.signal.wait()
     return "waited"
 
+
+@registry.tool
+def marked_alive(marker: str) -> int:
+    """How many live processes carry ``marker`` in their command line."""
+    import psutil
+
+    return sum(
+        1
+        for p in psutil.process_iter(["cmdline", "status"])
+        if p.info.get("status") != psutil.STATUS_ZOMBIE
+        and any(marker in arg for arg in p.info.get("cmdline") or [])
+    )
+
+
+@registry.tool
+def hold_gil(seconds: float) -> float:
+    """Block for ``seconds`` inside C code that keeps the GIL (as a long computation in a C
+    extension can): no other thread of the worker, its loop included, runs meanwhile."""
+    import ctypes
+
+    ctypes.PyDLL(None).usleep(ctypes.c_uint(int(seconds * 1e6)))
+    return seconds

@@ -358,3 +358,42 @@ async def test_a_call_whose_workers_die_before_taking_it_up_does_not_run_forever
         assert result.body_started is not False  # it may have run (it did)
         assert pool.statistics().workers_replaced <= 3
         assert (await pool.call("echo", {"value": 1})).value == 1
+
+
+# --------------------------------------------------------------------------- known gaps
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a call queued behind a body that keeps the GIL is withdrawn only once that body "
+    "ends: its cancel or timeout waits as long (with prefetch=0 it settles at once)",
+)
+async def test_a_queued_calls_timeout_is_kept_while_the_call_before_it_holds_the_gil() -> None:
+    async with running_pool(HOSTILE, workers=1) as pool:
+        holding = pool.submit("hold_gil", {"seconds": 6})
+        queued = pool.submit("echo", {"value": 1}, timeout=0.3)
+        assert pool.statistics().queued == 1
+        try:
+            with anyio.fail_after(3):
+                result = await queued
+        finally:
+            holding.cancel()
+        assert result.outcome is Outcome.TIMEOUT
+        assert result.body_started is False
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the supervisor checks the worker's cgroup for leftovers only when no other call "
+    "is in the worker: with a call queued behind, a worker patched to hide a leftover hides it",
+)
+@pytest.mark.skipif(os.geteuid() != 0, reason="cgroups need root here")
+async def test_a_leftover_the_worker_hides_is_killed_before_the_call_queued_behind() -> None:
+    marker = f"{new_marker()}-hidden"
+    async with running_pool(HOSTILE, workers=1) as pool:
+        leaves = pool.submit("leave_hidden_leftover", {"marker": marker, "how": "patch"})
+        after = pool.submit("marked_alive", {"marker": marker})
+        left, seen = await leaves, await after
+        assert left.ok, left
+        assert left.leftovers_killed == 2  # the shell and its sleep
+        assert seen.value == 0  # gone before the queued call was taken up
