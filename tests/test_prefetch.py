@@ -397,3 +397,28 @@ async def test_a_leftover_the_worker_hides_is_killed_before_the_call_queued_behi
         assert left.ok, left
         assert left.leftovers_killed == 2  # the shell and its sleep
         assert seen.value == 0  # gone before the queued call was taken up
+
+
+async def test_a_forced_kill_that_lands_late_takes_no_call_queued_behind() -> None:
+    """A kill reaches the worker a moment after the supervisor decides it (the reaper sends
+    it); if the forced call ends meanwhile, the worker takes up the next queued call, which
+    the kill then takes, uncancelled. Here the reaper is stopped over that moment, so the
+    forced call (a nap of 0.5 s, not told to stop) surely ends before the kill lands."""
+    async with Readiness.open() as ready, running_pool(workers=1, warm_spares=1) as pool:
+        forced = pool.submit("ready_sync_nap", {"ready": ready.path, "seconds": 0.5})
+        await ready.started()
+        after = pool.submit("ready_sync_nap", {"ready": ready.path, "seconds": 0.1})
+        assert pool.statistics().queued == 1  # in the busy worker: the spare is spare
+        reaper = pool.reaper_pid
+        assert reaper is not None
+        os.kill(reaper, signal.SIGSTOP)
+        try:
+            forced.cancel(force=True)
+            await ready.started()  # the call behind runs: on the worker, or the spare
+        finally:
+            os.kill(reaper, signal.SIGCONT)
+        result = await after
+        assert result.ok, result
+        assert result.cause is None
+        assert result.rung is Rung.NONE
+        await forced

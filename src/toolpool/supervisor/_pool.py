@@ -990,6 +990,8 @@ class Pool:
                 # Only behind bodies that leave the worker's loop free to withdraw it: an
                 # async body can hold the loop (and the queue) for as long as it runs.
                 and all(c.tool in threaded for c in w.calls)
+                # Nor behind a cancelled call: its worker may be killed for it.
+                and w.calls[0]._cause is None
             ):
                 best = w
         return best
@@ -1060,24 +1062,27 @@ class Pool:
             return
         w = call._worker
         assert w is not None
+        progress = self._progress(w, call)
         if force:
             call._forced = True
-            if self._progress(w, call) == 0:
-                self._kill(w, call)
+            if progress == 0:
+                if not self._behind(w, call):
+                    self._kill(w, call)
+                elif self._tg is not None:
+                    # w may take up a call waiting behind it the moment this one ends,
+                    # before the kill lands: take them back first.
+                    self._tg.start_soon(self._kill_when_clear, w, call)
                 return
             # Not begun: withdraw it like any other; kill only if its worker takes it up.
-            # Or over there: w took up a call sent after it, so its result is on its way
-            # (the ladder waits for it): a kill now would take the next call, uncancelled.
+            # Or w is done with it (it took up a call sent after it): its result is on its
+            # way, which the ladder waits for; a kill now would take the next call.
         if call._rung is Rung.NONE:
             self._raise_rung(call, Rung.CANCEL)
             w.acks_expected.add(call.id)
             self._send(w, encode(Cancel(call.id, call._cause.kind)))
-            if call is w.call:
+            if progress == 0 or call is w.call:
                 # Its worker may be killed for it: take back what waits behind it first.
-                for queued in list(w.calls)[1:]:
-                    if not queued._recalling and queued._cause is None:
-                        queued._recalling = True
-                        self._send(w, encode(Recall(queued.id)))
+                self._recall_behind(w, call)
         if not call._laddering and self._tg is not None:
             call._laddering = True
             self._tg.start_soon(self._ladder, w, call)
@@ -1109,12 +1114,12 @@ class Pool:
             with anyio.move_on_after(0.05):
                 await call.wait()
         if call._forced and call._result is None and not w.gone:
-            await self._await_sent_result(w, call)
-            if call._result is None and not w.gone:
-                self._kill(w, call)
+            await self._kill_when_clear(w, call)
             return
         with anyio.move_on_after(self.cancel_grace):
             await call.wait()
+        if call._result is None and call._rung is not Rung.SIGKILL:
+            await self._clear_behind(w, call)
         await self._await_sent_result(w, call)
         if call._result is not None and w.state is not WorkerState.QUARANTINED:
             return
@@ -1146,6 +1151,44 @@ class Pool:
             elif seen and ledger[0] == c.id + 1:
                 return 1
         return 0 if call._started or ledger[0] == call.id + 1 else -1
+
+    async def _kill_when_clear(self, w: _Worker, call: Call) -> None:
+        """Kill w for call (forced), once no other call of w can die of it."""
+        await self._clear_behind(w, call)
+        await self._await_sent_result(w, call)
+        if call._result is None and not w.gone:
+            self._kill(w, call)
+
+    def _behind(self, w: _Worker, call: Call) -> list[Call]:
+        """The calls sent to w after call, still in w."""
+        calls = list(w.calls)
+        return calls[calls.index(call) + 1 :] if call in calls else []
+
+    def _recall_behind(self, w: _Worker, call: Call) -> None:
+        """Ask w to give back the calls waiting behind call (a cancelled one is withdrawn on
+        its cancel)."""
+        for queued in self._behind(w, call):
+            if not queued._recalling and queued._cause is None:
+                queued._recalling = True
+                self._send(w, encode(Recall(queued.id)))
+
+    async def _clear_behind(self, w: _Worker, call: Call) -> None:
+        """Before a signal to w's tree for call, which w runs: take back the calls waiting
+        behind it, and wait (up to term_grace: w's loop may be held up) until they are
+        withdrawn, or w is done with call (it took one up), or call settled. Else call
+        could end just before the signal lands, and the call w took up next die of it."""
+        if not self._behind(w, call) or self._progress(w, call) != 0:
+            return
+        self._recall_behind(w, call)
+        with anyio.move_on_after(self.term_grace):
+            while (
+                call._result is None
+                and not w.gone
+                and self._behind(w, call)
+                and self._progress(w, call) == 0
+            ):
+                with anyio.move_on_after(0.005):
+                    await call.wait()
 
     async def _await_sent_result(self, w: _Worker, call: Call) -> None:
         """If w is done with call, its result is on its way: give it term_grace to arrive
