@@ -330,3 +330,67 @@ def write_here(name: str, text: str) -> str:
         f.write(text)
     with open(name) as f:
         return f.read()
+
+
+def worker_ledger() -> Any:
+    """The worker's ledger: the shared mapping it writes before taking up a call."""
+    import mmap
+
+    from toolpool.protocol._ledger import LEDGER_SIZE
+
+    found = [
+        obj
+        for obj in gc.get_objects()
+        if isinstance(obj, mmap.mmap) and not obj.closed and len(obj) == LEDGER_SIZE
+    ]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one ledger mapping in the worker, found {len(found)}")
+    return found[0]
+
+
+@registry.tool
+def erase_ledger_and_exit() -> None:
+    """Clear the ledger's marks (as if no call was ever taken up here) and exit the worker,
+    all without letting its loop run (so no 'started' is sent): a call that seems never to
+    have been taken up, each time it runs."""
+    sys.setswitchinterval(1000.0)  # keep the GIL: the worker's loop never turns again
+    worker_ledger()[0:16] = bytes(16)
+    os._exit(3)
+
+
+@registry.tool
+async def erase_ledger_and_wait(ready: str, execution: ToolExecution, seconds: float = 30.0) -> str:
+    """Clear the ledger's marks (as if no call was ever taken up here), say so on the unix
+    socket ``ready``, then wait on the signal: a body that started, hiding it from the ledger."""
+    import socket
+
+    worker_ledger()[0:16] = bytes(16)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(ready)
+        sock.sendall(str(os.getpid()).encode())
+    with anyio.move_on_after(seconds):
+        await execution.signal.wait()
+    return "waited"
+
+
+@registry.tool
+def marked_alive(marker: str) -> int:
+    """How many live processes carry ``marker`` in their command line."""
+    import psutil
+
+    return sum(
+        1
+        for p in psutil.process_iter(["cmdline", "status"])
+        if p.info.get("status") != psutil.STATUS_ZOMBIE
+        and any(marker in arg for arg in p.info.get("cmdline") or [])
+    )
+
+
+@registry.tool
+def hold_gil(seconds: float) -> float:
+    """Block for ``seconds`` inside C code that keeps the GIL (as a long computation in a C
+    extension can): no other thread of the worker, its loop included, runs meanwhile."""
+    import ctypes
+
+    ctypes.PyDLL(None).usleep(ctypes.c_uint(int(seconds * 1e6)))
+    return seconds

@@ -7,14 +7,21 @@ left processes behind. The worker's ledger keeps what a dying worker had not yet
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import anyio
 import pytest
 
-from pool_support import Readiness, new_marker, running_pool
+import toolpool
+from pool_support import TOOLS, Readiness, new_marker, running_pool, workers_of_reaper
 from toolpool import Outcome, Rung
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60, method="thread")]
@@ -26,6 +33,34 @@ DISPOSED = {"kind": "disposed"}
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@contextmanager
+def blocking_listener() -> Iterator[tuple[str, socket.socket]]:
+    """A unix socket for a ``ready_*`` tool's announcement, accepted *blocking*: while the
+    test waits on it, the pool's loop reads nothing from its workers (as a supervisor busy
+    elsewhere would not)."""
+    directory = tempfile.mkdtemp(prefix="tp-block-")
+    path = os.path.join(directory, "s")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        listener.listen(4)
+        listener.settimeout(15)
+        yield path, listener
+    finally:
+        listener.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def accept_announcement(listener: socket.socket) -> list[int]:
+    """Block until a ``ready_*`` tool announces itself; its pids."""
+    conn, _ = listener.accept()
+    data = b""
+    with conn:
+        while chunk := conn.recv(256):
+            data += chunk
+    return [int(p) for p in data.split()]
 
 
 @pytest.fixture
@@ -317,3 +352,147 @@ def test_prefetch_defaults_and_bad_values() -> None:
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="prefetch"):
             toolpool.Pool("pool_support:registry", prefetch=bad)  # type: ignore[arg-type]
+
+
+async def test_forcing_a_call_whose_result_is_on_its_way_spares_the_call_after_it() -> None:
+    """The worker has finished the forced call and taken up the next one, but the supervisor
+    has not read the result yet (it was busy: here the test holds its loop). Its ledger says
+    so: killing the worker now would kill the next call, which nobody cancelled."""
+    with blocking_listener() as (path, listener):
+        async with running_pool(workers=1) as pool:
+            first = pool.submit("echo", {"value": 1})
+            after = pool.submit("ready_sync_nap", {"ready": path, "seconds": 30})
+            (pid,) = accept_announcement(listener)  # first's result waits, unread
+            first.cancel(force=True)
+            done = await first
+            assert done.ok, done
+            assert done.value == 1
+            assert done.rung is not Rung.SIGKILL
+            assert done.timeline.sigkill is None
+            assert not after.done()
+            assert pool.worker_pids() == [pid]
+            after.cancel()
+            stopped = await after
+            assert stopped.outcome is Outcome.ABORTED, stopped
+            assert stopped.cause == USER
+            assert stopped.rung is Rung.CANCEL
+            assert stopped.worker_pid == pid
+
+
+async def test_a_call_queued_in_a_worker_settles_when_the_reaper_dies() -> None:
+    """Without its reaper the pool is broken: its queue fails at once, and a call waiting in a
+    worker that dies with the reaper must fail too, not wait in a queue nothing serves."""
+    async with Readiness.open() as ready:
+        async with toolpool.Pool(TOOLS, workers=1) as pool:
+            running = pool.submit("ready_sync_nap", {"ready": ready.path, "seconds": 30})
+            await ready.started()
+            queued = pool.submit("echo", {"value": 1})
+            assert pool.statistics().queued == 1
+            reaper = pool.reaper_pid
+            assert reaper is not None
+            os.kill(reaper, signal.SIGKILL)
+            assert (await running).outcome is Outcome.WORKER_LOST
+            with anyio.fail_after(10):
+                result = await queued
+            assert result.outcome is Outcome.WORKER_LOST, result
+            assert result.body_started is False
+        assert workers_of_reaper(reaper) == []
+
+
+# --------------------------------------------------------------------------- a hostile ledger
+# The ledger is the worker's to scribble on (tests/hostile_tools.py finds it in the worker).
+
+HOSTILE = "hostile_tools:registry"
+
+
+async def test_a_ledger_never_unsays_a_start_its_worker_reported() -> None:
+    """A body that erased its ledger's marks after its worker said it started, then was
+    killed: it started (the supervisor saw it), whatever the ledger says now."""
+    async with Readiness.open() as ready, running_pool(HOSTILE, workers=1) as pool:
+        call = pool.submit("erase_ledger_and_wait", {"ready": ready.path})
+        (pid,) = await ready.started()
+        assert await call.wait_started()
+        call.cancel(force=True)
+        result = await call
+        assert result.outcome is Outcome.KILLED, result
+        assert result.body_started is True
+        assert result.rung is Rung.SIGKILL
+        assert result.worker_pid == pid
+        assert pool.statistics().submitted == 1  # not run again elsewhere
+
+
+async def test_a_call_whose_workers_die_before_taking_it_up_does_not_run_forever() -> None:
+    """A body that clears its ledger's marks and exits before its worker can say it started:
+    by the ledger, the call was never taken up, so it runs elsewhere; again and again, were
+    there no bound (each run a fresh worker; the call never settled)."""
+    async with running_pool(HOSTILE, workers=1) as pool:
+        with anyio.fail_after(30):
+            result = await pool.call("erase_ledger_and_exit")
+        assert result.outcome is Outcome.WORKER_LOST, result
+        assert result.body_started is not False  # it may have run (it did)
+        assert pool.statistics().workers_replaced <= 3
+        assert (await pool.call("echo", {"value": 1})).value == 1
+
+
+# --------------------------------------------------------------------------- known gaps
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a call queued behind a body that keeps the GIL is withdrawn only once that body "
+    "ends: its cancel or timeout waits as long (with prefetch=0 it settles at once)",
+)
+async def test_a_queued_calls_timeout_is_kept_while_the_call_before_it_holds_the_gil() -> None:
+    async with running_pool(HOSTILE, workers=1) as pool:
+        holding = pool.submit("hold_gil", {"seconds": 6})
+        queued = pool.submit("echo", {"value": 1}, timeout=0.3)
+        assert pool.statistics().queued == 1
+        try:
+            with anyio.fail_after(3):
+                result = await queued
+        finally:
+            holding.cancel()
+        assert result.outcome is Outcome.TIMEOUT
+        assert result.body_started is False
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the supervisor checks the worker's cgroup for leftovers only when no other call "
+    "is in the worker: with a call queued behind, a worker patched to hide a leftover hides it",
+)
+@pytest.mark.skipif(os.geteuid() != 0, reason="cgroups need root here")
+async def test_a_leftover_the_worker_hides_is_killed_before_the_call_queued_behind() -> None:
+    marker = f"{new_marker()}-hidden"
+    async with running_pool(HOSTILE, workers=1) as pool:
+        leaves = pool.submit("leave_hidden_leftover", {"marker": marker, "how": "patch"})
+        after = pool.submit("marked_alive", {"marker": marker})
+        left, seen = await leaves, await after
+        assert left.ok, left
+        assert left.leftovers_killed == 2  # the shell and its sleep
+        assert seen.value == 0  # gone before the queued call was taken up
+
+
+async def test_a_forced_kill_that_lands_late_takes_no_call_queued_behind() -> None:
+    """A kill reaches the worker a moment after the supervisor decides it (the reaper sends
+    it); if the forced call ends meanwhile, the worker takes up the next queued call, which
+    the kill then takes, uncancelled. Here the reaper is stopped over that moment, so the
+    forced call (a nap of 0.5 s, not told to stop) surely ends before the kill lands."""
+    async with Readiness.open() as ready, running_pool(workers=1, warm_spares=1) as pool:
+        forced = pool.submit("ready_sync_nap", {"ready": ready.path, "seconds": 0.5})
+        await ready.started()
+        after = pool.submit("ready_sync_nap", {"ready": ready.path, "seconds": 0.1})
+        assert pool.statistics().queued == 1  # in the busy worker: the spare is spare
+        reaper = pool.reaper_pid
+        assert reaper is not None
+        os.kill(reaper, signal.SIGSTOP)
+        try:
+            forced.cancel(force=True)
+            await ready.started()  # the call behind runs: on the worker, or the spare
+        finally:
+            os.kill(reaper, signal.SIGCONT)
+        result = await after
+        assert result.ok, result
+        assert result.cause is None
+        assert result.rung is Rung.NONE
+        await forced

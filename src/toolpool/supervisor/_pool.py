@@ -1053,6 +1053,8 @@ class Pool:
             self._cancel_call(call, _DISPOSED, force=False)
             return
         self._queue.appendleft(call)
+        if self._broken is not None:  # nor here: it fails like the rest of the queue did
+            self._fail_queue()
 
     def _serving(self) -> int:
         return sum(1 for w in self._workers.values() if w.calls)
@@ -1086,23 +1088,28 @@ class Pool:
             return
         w = call._worker
         assert w is not None
+        progress = self._progress(w, call)
         if force:
             call._forced = True
-            if self._first_in(w, call):  # nothing else of w's is hit
-                self._kill(w, call)
+            if progress == 0 or (progress < 0 and call is w.call):
+                # It runs (or is next and nothing runs before it): kill, once no call
+                # waiting behind it can be taken up in the moment before the kill lands.
+                if not self._behind(w, call):
+                    self._kill(w, call)
+                elif self._tg is not None:
+                    self._tg.start_soon(self._kill_when_clear, w, call)
                 return
-            # Waiting behind another call: withdraw it like any other; kill only if it
-            # becomes the call its worker runs.
+            # Waiting behind another: withdraw it like any other; kill only if it becomes
+            # the call its worker runs. Or w is done with it (it took up a call sent after
+            # it): its result is on its way, which the ladder waits for; a kill now would
+            # take the next call.
         if call._rung is Rung.NONE:
             self._raise_rung(call, Rung.CANCEL)
             w.acks_expected.add(call.id)
             self._send(w, encode(Cancel(call.id, call._cause.kind)))
-            if call is w.call:
+            if progress == 0 or call is w.call:
                 # Its worker may be killed for it: take back what waits behind it first.
-                for queued in list(w.calls)[1:]:
-                    if not queued._recalling and queued._cause is None:
-                        queued._recalling = True
-                        self._send(w, encode(Recall(queued.id)))
+                self._recall_behind(w, call)
         if not call._laddering and self._tg is not None:
             call._laddering = True
             self._tg.start_soon(self._ladder, w, call)
@@ -1131,14 +1138,17 @@ class Pool:
         # held up (a body keeps the GIL): then it is withdrawn later, or taken up and sees
         # its cancelled signal. Never kill a worker, and the call it runs, for a call
         # waiting behind it. Once it is w's first call, nothing else runs there.
-        while call._result is None and not w.gone and not self._first_in(w, call):
+        while call._result is None and not w.gone and not self._at_or_past(w, call):
             with anyio.move_on_after(0.05):
                 await call.wait()
         if call._forced and call._result is None and not w.gone:
-            self._kill(w, call)
+            await self._kill_when_clear(w, call)
             return
         with anyio.move_on_after(self.cancel_grace):
             await call.wait()
+        if call._result is None and call._rung is not Rung.SIGKILL:
+            await self._clear_behind(w, call)
+        await self._await_sent_result(w, call)
         if call._result is not None and w.state is not WorkerState.QUARANTINED:
             return
         if w.gone:
@@ -1150,14 +1160,72 @@ class Pool:
         if not w.gone:
             self._kill(w, call)
 
-    def _first_in(self, w: _Worker, call: Call) -> bool:
-        """Whether call is the one w runs or takes up next: first in line here, or named by
-        w's ledger (the call before may have ended there, its result not read yet). Marks
-        that lie can only get their own worker killed sooner."""
-        if call is w.call:
-            return True
-        marks = _read_marks(w)
-        return marks is not None and marks[0] == call.id + 1
+    def _at_or_past(self, w: _Worker, call: Call) -> bool:
+        """Whether w is at call or past it: call is first in its line (nothing else of w's
+        runs before it), or w took it up. Marks that lie can only get their own worker
+        killed sooner, never keep a call first in line from escalating."""
+        return call is w.call or self._progress(w, call) >= 0
+
+    def _progress(self, w: _Worker, call: Call) -> int:
+        """Where w is with call: -1, not taken up yet; 0, taken up (it may run it still);
+        1, done with it: its ledger names a call sent after it, which w takes up only once
+        it sent call's result (kept in its ledger, or acknowledged)."""
+        ledger = _read_marks(w)
+        if ledger is None:
+            return 0
+        seen = False
+        for c in w.calls:
+            if c is call:
+                seen = True
+            elif seen and ledger[0] == c.id + 1:
+                return 1
+        return 0 if call._started or ledger[0] == call.id + 1 else -1
+
+    async def _kill_when_clear(self, w: _Worker, call: Call) -> None:
+        """Kill w for call (forced), once no other call of w can die of it."""
+        await self._clear_behind(w, call)
+        await self._await_sent_result(w, call)
+        if call._result is None and not w.gone:
+            self._kill(w, call)
+
+    def _behind(self, w: _Worker, call: Call) -> list[Call]:
+        """The calls sent to w after call, still in w."""
+        calls = list(w.calls)
+        return calls[calls.index(call) + 1 :] if call in calls else []
+
+    def _recall_behind(self, w: _Worker, call: Call) -> None:
+        """Ask w to give back the calls waiting behind call (a cancelled one is withdrawn on
+        its cancel)."""
+        for queued in self._behind(w, call):
+            if not queued._recalling and queued._cause is None:
+                queued._recalling = True
+                self._send(w, encode(Recall(queued.id)))
+
+    async def _clear_behind(self, w: _Worker, call: Call) -> None:
+        """Before a signal to w's tree for call, which w runs: take back the calls waiting
+        behind it, and wait (up to term_grace: w's loop may be held up) until they are
+        withdrawn, or w is done with call (it took one up), or call settled. Else call
+        could end just before the signal lands, and the call w took up next die of it."""
+        if not self._behind(w, call) or self._progress(w, call) != 0:
+            return
+        self._recall_behind(w, call)
+        with anyio.move_on_after(self.term_grace):
+            while (
+                call._result is None
+                and not w.gone
+                and self._behind(w, call)
+                and self._progress(w, call) == 0
+            ):
+                with anyio.move_on_after(0.005):
+                    await call.wait()
+
+    async def _await_sent_result(self, w: _Worker, call: Call) -> None:
+        """If w is done with call, its result is on its way: give it term_grace to arrive
+        before escalating against w, which may run an uncancelled call since. Bounded: the
+        ledger is the worker's to scribble on."""
+        if call._result is None and not w.gone and self._progress(w, call) == 1:
+            with anyio.move_on_after(self.term_grace):
+                await call.wait()
 
     def _raise_rung(self, call: Call, rung: Rung) -> None:
         if _RUNG_ORDER[rung] > _RUNG_ORDER[call._rung]:
