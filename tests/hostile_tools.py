@@ -396,3 +396,14 @@ def hold_gil(seconds: float) -> float:
 
     ctypes.PyDLL(None).usleep(ctypes.c_uint(int(seconds * 1e6)))
     return seconds
+
+
+@registry.tool
+def keep_queue_hostage() -> str:
+    """Patch the worker so that it neither takes up nor gives back the calls waiting in its
+    queue (nor any later one), then return: they wait there for good."""
+    import toolpool.worker._main as worker_main
+
+    worker_main._Server._next = lambda self: None  # type: ignore[method-assign]
+    worker_main._Server._withdraw = lambda self, call_id: None  # type: ignore[method-assign]
+    return "done"

@@ -360,6 +360,37 @@ async def test_a_call_whose_workers_die_before_taking_it_up_does_not_run_forever
         assert (await pool.call("echo", {"value": 1})).value == 1
 
 
+async def test_a_worker_that_keeps_its_queued_calls_cannot_hold_up_their_cancel() -> None:
+    """A tool patches its worker so that the calls in its queue are neither taken up nor
+    given back. Once every call in that worker is cancelled, it is escalated against like
+    for a call it runs; before, their cancel (and the pool's close) waited for ever."""
+    async with running_pool(HOSTILE, workers=1) as pool:
+        patched = pool.submit("keep_queue_hostage")
+        turn = pool.group()
+        hostages = [turn.submit("echo", {"value": i}) for i in range(2)]
+        assert pool.statistics().queued == 2
+        assert (await patched).ok
+        turn.cancel()
+        with anyio.fail_after(10):
+            results = [await call for call in hostages]
+        for result in results:
+            assert result.outcome is Outcome.ABORTED_BEFORE_DISPATCH, result
+            assert result.body_started is False
+            assert result.cause == USER
+
+
+@pytest.mark.timeout(30, method="thread")
+async def test_a_worker_that_keeps_its_queued_calls_cannot_hold_up_the_pools_close() -> None:
+    async with running_pool(HOSTILE, workers=1) as pool:
+        patched = pool.submit("keep_queue_hostage")
+        hostage = pool.submit("echo", {"value": 1})
+        assert pool.statistics().queued == 1
+        assert (await patched).ok
+    result = hostage.result()
+    assert result.outcome is Outcome.ABORTED_BEFORE_DISPATCH, result
+    assert result.cause == DISPOSED
+
+
 # --------------------------------------------------------------------------- known gaps
 
 

@@ -1109,15 +1109,24 @@ class Pool:
         """The escalation ladder of one worker: cancel message, SIGTERM, SIGKILL (C4.2)."""
         # A call still in w's queue is withdrawn at once, unless w's loop is held up (a body
         # keeps the GIL): then it is withdrawn later, or taken up and sees its cancelled
-        # signal. Never kill a worker, and the call it runs, for a call not begun there.
+        # signal. Never kill a worker, and the call it runs, for a call not begun there;
+        # unless every call in w is cancelled too, and w has neither given it back nor taken
+        # it up within cancel_grace: a worker a tool patched could otherwise hold it (and the
+        # pool's close) for ever.
+        deadline = time.monotonic() + self.cancel_grace
+        unanswered = False
         while call._result is None and not w.gone and not self._taken(w, call):
+            if time.monotonic() >= deadline and all(c._cause is not None for c in w.calls):
+                unanswered = True
+                break
             with anyio.move_on_after(0.05):
                 await call.wait()
         if call._forced and call._result is None and not w.gone:
             await self._kill_when_clear(w, call)
             return
-        with anyio.move_on_after(self.cancel_grace):
-            await call.wait()
+        if not unanswered:
+            with anyio.move_on_after(self.cancel_grace):
+                await call.wait()
         if call._result is None and call._rung is not Rung.SIGKILL:
             await self._clear_behind(w, call)
         await self._await_sent_result(w, call)
