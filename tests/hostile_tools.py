@@ -407,3 +407,20 @@ def keep_queue_hostage() -> str:
     worker_main._Server._next = lambda self: None  # type: ignore[method-assign]
     worker_main._Server._withdraw = lambda self, call_id: None  # type: ignore[method-assign]
     return "done"
+
+
+@registry.tool
+async def forge_ledger_then_garbage(execution: ToolExecution, seconds: float = 30.0) -> str:
+    """Keep a forged 'ok' result for its own call in the ledger, as the worker's next result,
+    then break the protocol (a garbage frame) and wait on the signal."""
+    from toolpool.protocol._ledger import write_slot
+    from toolpool.worker._main import _Server
+
+    (server,) = [obj for obj in gc.get_objects() if isinstance(obj, _Server)]
+    call_id = int(execution.call_id)
+    forged = Result(call_id, "ok", msgpack.packb("forged"), None, None, True, {})
+    write_slot(worker_ledger(), 0, server.results + 1, encode(forged))
+    worker_socket().send(hostile_frame("garbage", call_id, 0, 0)[0])
+    with anyio.move_on_after(seconds):
+        await execution.signal.wait()
+    return "the supervisor did not react"

@@ -360,6 +360,18 @@ async def test_a_call_whose_workers_die_before_taking_it_up_does_not_run_forever
         assert (await pool.call("echo", {"value": 1})).value == 1
 
 
+async def test_a_violators_ledger_cannot_settle_its_call() -> None:
+    """C7: a worker that breaks the protocol is killed and its call settles as worker_lost;
+    a result it kept in its ledger (here forged, just before the garbage) does not count."""
+    async with running_pool(HOSTILE, workers=1) as pool:
+        result = await pool.call("forge_ledger_then_garbage")
+        assert result.outcome is Outcome.WORKER_LOST, result
+        assert result.error is not None
+        assert "protocol violation" in result.error
+        assert result.value is None
+        assert (await pool.call("echo", {"value": 1})).value == 1
+
+
 async def test_a_worker_that_keeps_its_queued_calls_cannot_hold_up_their_cancel() -> None:
     """A tool patches its worker so that the calls in its queue are neither taken up nor
     given back. Once every call in that worker is cancelled, it is escalated against like

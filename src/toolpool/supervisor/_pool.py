@@ -354,6 +354,7 @@ class _Worker:
         "start_failed",
         "start_method",
         "state",
+        "violated",
         "violation",
         "wid",
     )
@@ -379,6 +380,7 @@ class _Worker:
         self.exit_status: int | None = None
         self.fatal: str | None = None
         self.violation: str | None = None
+        self.violated = False  # quarantined for breaking the protocol: its word counts no more
         self.start_failed = False
         self.gone = False
         self.gone_event = anyio.Event()
@@ -1252,6 +1254,8 @@ class Pool:
 
     def _quarantine(self, w: _Worker, violation: str | None) -> None:
         """Take w out of service for good and kill its tree (C4.2, C7)."""
+        if violation is not None:
+            w.violated = True
         if violation is not None and w.violation is None:
             w.violation = violation
             _log.warning("worker %s (pid %s) quarantined: %s", w.wid, w.pid, violation)
@@ -1959,6 +1963,10 @@ class Pool:
         finally:
             os.close(fd)
         taken, invoked, kept = read_ledger(data)
+        if w.violated:
+            # Its messages stopped counting at the violation (C7: its call is lost), and so
+            # do the results it kept: a violator could forge one there, as its last word.
+            kept = []
         for seq, frame in kept:
             if seq != w.results + 1 or not w.calls:
                 continue  # received already (or out of turn: not what it sent)
