@@ -359,9 +359,7 @@ def erase_ledger_and_exit() -> None:
 
 
 @registry.tool
-async def erase_ledger_and_wait(
-    ready: str, execution: ToolExecution, seconds: float = 30.0
-) -> str:
+async def erase_ledger_and_wait(ready: str, execution: ToolExecution, seconds: float = 30.0) -> str:
     """Clear the ledger's marks (as if no call was ever taken up here), say so on the unix
     socket ``ready``, then wait on the signal: a body that started, hiding it from the ledger."""
     import socket
