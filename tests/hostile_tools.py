@@ -394,3 +394,32 @@ def hold_gil(seconds: float) -> float:
 
     ctypes.PyDLL(None).usleep(ctypes.c_uint(int(seconds * 1e6)))
     return seconds
+
+
+@registry.tool
+def keep_queue_hostage() -> str:
+    """Patch the worker so that it neither takes up nor gives back the calls waiting in its
+    queue (nor any later one), then return: they wait there for good."""
+    import toolpool.worker._main as worker_main
+
+    # (It still sends the results it holds back: its own call's result is one of them.)
+    worker_main._Server._next = lambda self: self._send_pending() if self.pending else None  # type: ignore[method-assign]
+    worker_main._Server._withdraw = lambda self, call_id: None  # type: ignore[method-assign]
+    return "done"
+
+
+@registry.tool
+async def forge_ledger_then_garbage(execution: ToolExecution, seconds: float = 30.0) -> str:
+    """Keep a forged 'ok' result for its own call in the ledger, as the worker's next result,
+    then break the protocol (a garbage frame) and wait on the signal."""
+    from toolpool.protocol._ledger import write_slot
+    from toolpool.worker._main import _Server
+
+    (server,) = [obj for obj in gc.get_objects() if isinstance(obj, _Server)]
+    call_id = int(execution.call_id)
+    forged = Result(call_id, "ok", msgpack.packb("forged"), None, None, True, {})
+    write_slot(worker_ledger(), 0, server.results + 1, encode(forged))
+    worker_socket().send(hostile_frame("garbage", call_id, 0, 0)[0])
+    with anyio.move_on_after(seconds):
+        await execution.signal.wait()
+    return "the supervisor did not react"

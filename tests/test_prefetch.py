@@ -434,6 +434,57 @@ async def test_a_call_whose_workers_die_before_taking_it_up_does_not_run_forever
         assert (await pool.call("echo", {"value": 1})).value == 1
 
 
+async def test_a_violators_ledger_cannot_settle_its_call() -> None:
+    """C7: a worker that breaks the protocol is killed and its call settles as worker_lost;
+    a result it kept in its ledger (here forged, just before the garbage) does not count."""
+    async with running_pool(HOSTILE, workers=1) as pool:
+        result = await pool.call("forge_ledger_then_garbage")
+        assert result.outcome is Outcome.WORKER_LOST, result
+        assert result.error is not None
+        assert "protocol violation" in result.error
+        assert result.value is None
+        assert (await pool.call("echo", {"value": 1})).value == 1
+
+
+async def test_a_worker_that_keeps_its_queued_calls_cannot_hold_up_their_cancel() -> None:
+    """A tool patches its worker so that the calls in its queue are neither taken up nor
+    given back. Once every call in that worker is cancelled, it is escalated against like
+    for a call it runs; before, their cancel (and the pool's close) waited for ever."""
+    async with running_pool(HOSTILE, workers=1) as pool:
+        patched = pool.submit("keep_queue_hostage")
+        turn = pool.group()
+        hostages = [turn.submit("echo", {"value": i}) for i in range(2)]
+        assert pool.statistics().queued == 2
+        assert (await patched).ok
+        turn.cancel()
+        with anyio.fail_after(10):
+            results = [await call for call in hostages]
+        # The first hostage is first in line: it is escalated against like a running call,
+        # and, since its worker did not answer, not believed never to have started ("maybe").
+        # The one behind it was never taken up.
+        first, second = results
+        assert first.outcome is Outcome.KILLED, first
+        assert first.rung is Rung.SIGTERM
+        assert first.body_started is None
+        assert second.outcome is Outcome.ABORTED_BEFORE_DISPATCH, second
+        assert second.body_started is False
+        for result in results:
+            assert result.cause == USER
+
+
+@pytest.mark.timeout(30, method="thread")
+async def test_a_worker_that_keeps_its_queued_calls_cannot_hold_up_the_pools_close() -> None:
+    async with running_pool(HOSTILE, workers=1) as pool:
+        patched = pool.submit("keep_queue_hostage")
+        hostage = pool.submit("echo", {"value": 1})
+        assert pool.statistics().queued == 1
+        assert (await patched).ok
+    result = hostage.result()
+    assert result.outcome is Outcome.KILLED, result  # as above: first in line, no answer
+    assert result.body_started is None
+    assert result.cause == DISPOSED
+
+
 # --------------------------------------------------------------------------- known gaps
 
 

@@ -351,6 +351,7 @@ class _Worker:
         "start_failed",
         "start_method",
         "state",
+        "violated",
         "violation",
         "wid",
     )
@@ -376,6 +377,7 @@ class _Worker:
         self.exit_status: int | None = None
         self.fatal: str | None = None
         self.violation: str | None = None
+        self.violated = False  # quarantined for breaking the protocol: its word counts no more
         self.start_failed = False
         self.gone = False
         self.gone_event = anyio.Event()
@@ -1137,15 +1139,24 @@ class Pool:
         # A call waiting behind another in w's queue is withdrawn at once, unless w's loop is
         # held up (a body keeps the GIL): then it is withdrawn later, or taken up and sees
         # its cancelled signal. Never kill a worker, and the call it runs, for a call
-        # waiting behind it. Once it is w's first call, nothing else runs there.
+        # waiting behind it; unless every call in w is cancelled too, and w has neither
+        # given it back nor taken it up within cancel_grace: a worker a tool patched could
+        # otherwise hold it (and the pool's close) for ever. Once it is w's first call,
+        # nothing else runs there.
+        deadline = time.monotonic() + self.cancel_grace
+        unanswered = False
         while call._result is None and not w.gone and not self._at_or_past(w, call):
+            if time.monotonic() >= deadline and all(c._cause is not None for c in w.calls):
+                unanswered = True
+                break
             with anyio.move_on_after(0.05):
                 await call.wait()
         if call._forced and call._result is None and not w.gone:
             await self._kill_when_clear(w, call)
             return
-        with anyio.move_on_after(self.cancel_grace):
-            await call.wait()
+        if not unanswered:
+            with anyio.move_on_after(self.cancel_grace):
+                await call.wait()
         if call._result is None and call._rung is not Rung.SIGKILL:
             await self._clear_behind(w, call)
         await self._await_sent_result(w, call)
@@ -1272,6 +1283,8 @@ class Pool:
 
     def _quarantine(self, w: _Worker, violation: str | None) -> None:
         """Take w out of service for good and kill its tree (C4.2, C7)."""
+        if violation is not None:
+            w.violated = True
         if violation is not None and w.violation is None:
             w.violation = violation
             _log.warning("worker %s (pid %s) quarantined: %s", w.wid, w.pid, violation)
@@ -1993,6 +2006,10 @@ class Pool:
         finally:
             os.close(fd)
         taken, invoked, kept = read_ledger(data)
+        if w.violated:
+            # Its messages stopped counting at the violation (C7: its call is lost), and so
+            # do the results it kept: a violator could forge one there, as its last word.
+            kept = []
         for seq, frame in kept:
             if seq != w.results + 1 or not w.calls:
                 continue  # received already (or out of turn: not what it sent)
