@@ -1591,7 +1591,7 @@ class Pool:
 
     def _drain(self, w: _Worker) -> None:
         sock = w.sock
-        if w.draining:
+        if w.draining or w.gone:
             return  # the drain further up the stack receives until nothing is readable
         w.draining = True
         try:
@@ -1898,6 +1898,14 @@ class Pool:
             return
         was_serving = w.state in (WorkerState.READY, WorkerState.BUSY, WorkerState.QUARANTINED)
         was_serving = was_serving and w.hello_event.is_set()
+        if not w.sock.closed and w.hello_event.is_set() and not w.start_failed:
+            # What it sent before it died counts (a result may still be unread); nothing it
+            # sent is read after its calls are settled below.
+            if w in self._ready:
+                self._ready.remove(w)
+            if w.state is not WorkerState.RETIRING:
+                w.state = WorkerState.QUARANTINED  # no call is sent to it meanwhile
+            self._drain(w)
         w.gone = True
         if w in self._ready:
             self._ready.remove(w)
