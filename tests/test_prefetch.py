@@ -16,6 +16,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import anyio
 import pytest
@@ -63,6 +64,14 @@ def accept_announcement(listener: socket.socket) -> list[int]:
     return [int(p) for p in data.split()]
 
 
+async def _running(pool: Any, ready: Readiness, seconds: float = 30) -> tuple[Any, int]:
+    """Start a cooperative sync call that runs ``seconds``; return it once its body runs, and
+    its worker's pid."""
+    call = pool.submit("ready_sync_nap", {"ready": ready.path, "seconds": seconds})
+    (pid,) = await ready.started()
+    return call, pid
+
+
 @pytest.fixture
 def cpu_hogs() -> Iterator[None]:
     """Busy processes on every core: a worker's zmq I/O thread then waits its turn to send,
@@ -100,8 +109,7 @@ async def test_cancelling_a_call_queued_in_a_worker_withdraws_it_and_spares_the_
     force: bool,
 ) -> None:
     async with Readiness.open() as ready, running_pool(workers=1) as pool:
-        running = pool.submit("ready_sync_nap", {"ready": ready.path, "seconds": 30})
-        (pid,) = await ready.started()
+        running, pid = await _running(pool, ready)
         queued = pool.submit("echo", {"value": 1})
         assert pool.statistics().queued == 1
         queued.cancel(force=force)
@@ -125,8 +133,7 @@ async def test_cancelling_a_call_queued_in_a_worker_withdraws_it_and_spares_the_
 
 async def test_a_call_queued_in_a_worker_times_out_without_starting() -> None:
     async with Readiness.open() as ready, running_pool(workers=1) as pool:
-        running = pool.submit("ready_sync_nap", {"ready": ready.path, "seconds": 30})
-        await ready.started()
+        running, _ = await _running(pool, ready)
         queued = pool.submit("echo", {"value": 1}, timeout=0.2)
         result = await queued
         assert result.outcome is Outcome.TIMEOUT
@@ -138,8 +145,7 @@ async def test_a_call_queued_in_a_worker_times_out_without_starting() -> None:
 
 async def test_calls_queued_behind_a_killed_call_run_on_the_replacement() -> None:
     async with Readiness.open() as ready, running_pool(workers=1) as pool:
-        running = pool.submit("ready_sync_nap", {"ready": ready.path, "seconds": 30})
-        (pid,) = await ready.started()
+        running, pid = await _running(pool, ready)
         queued = [pool.submit("echo", {"value": i}) for i in range(2)]
         assert pool.statistics().queued == 2
         running.cancel(force=True)
