@@ -282,9 +282,13 @@ async def test_closing_settles_calls_queued_in_workers_and_loses_none() -> None:
         for call in queued:
             result = call.result()
             # Withdrawn; or taken up in the instant before the cancel arrived, and then
-            # finished: either way settled, and truthfully.
+            # finished like any cancelled call: ok if it returned first, aborted if the cancel
+            # reached it once its body was invoked. Either way settled, and truthfully.
             if result.outcome is Outcome.ABORTED_BEFORE_DISPATCH:
                 assert result.body_started is False
+                assert result.cause == DISPOSED
+            elif result.outcome is Outcome.ABORTED:
+                assert result.body_started is True
                 assert result.cause == DISPOSED
             else:
                 assert result.ok, result
