@@ -615,6 +615,11 @@ class Pool:
 
         Returns only when every call has settled and every worker process, and everything
         it spawned, is gone. Idempotent.
+
+        Call it from the task and the cancel-scope nesting that called :meth:`start` (not,
+        say, inside a ``fail_after`` entered after ``start()``): the pool's anyio task group
+        must be left in order. Otherwise anyio raises RuntimeError, after every call has
+        settled and every process is gone. ``async with Pool(...)`` gets this right.
         """
         if self._state in ("closed", "new"):
             self._state = "closed"
