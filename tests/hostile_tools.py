@@ -305,7 +305,7 @@ def leave_hidden_leftover(marker: str, how: str) -> int:
         import toolpool.worker._main as worker_main
 
         worker_main._has_children = lambda: False  # type: ignore[attr-defined]
-        worker_main._other_members = lambda fd: 0  # type: ignore[attr-defined]
+        worker_main.others_listed = lambda listed, pid: 0  # type: ignore[attr-defined]
         pid = subprocess.Popen(command, start_new_session=True).pid
     else:
         clone = {"x86_64": 56, "aarch64": 220}[platform.machine()]

@@ -74,9 +74,10 @@ def read_marks(data: bytes) -> tuple[int, int] | None:
 def read_ledger(data: bytes) -> tuple[int, int, list[tuple[int, bytes]]]:
     """Parse a ledger's bytes: (taken, invoked, [(seq, frame) of each kept result, by seq]).
     Lengths are checked; frames are not decoded."""
-    if len(data) < SLOTS_AT:
+    marks = read_marks(data)
+    if marks is None or len(data) < SLOTS_AT:
         return 0, 0, []
-    taken, invoked = _MARKS.unpack_from(data, 0)
+    taken, invoked = marks
     kept: list[tuple[int, bytes]] = []
     for slot in range(SLOTS):
         at = SLOTS_AT + slot * SLOT_SIZE

@@ -261,6 +261,12 @@ def oom_kills(dirs: Iterable[str]) -> int:
     return 0
 
 
+def others_listed(listed: bytes, pid: int | None) -> int:
+    """How many processes other than ``pid`` a ``cgroup.procs`` content lists."""
+    own = str(pid).encode()
+    return sum(1 for member in listed.split() if member != own)
+
+
 def members(dirs: Iterable[str]) -> set[int]:
     """The pids listed in the ``cgroup.procs`` of each of ``dirs`` that has one."""
     found: set[int] = set()

@@ -76,7 +76,7 @@ from ..protocol import (
 )
 from ..protocol._ledger import LEDGER_SIZE, read_ledger, read_marks
 from ..sandbox import LAYERS, Profile, parse_size
-from ..sandbox._cgroups import CgroupSet
+from ..sandbox._cgroups import CgroupSet, others_listed
 from ..sandbox._profile import _human as _human_size
 from ._reaper import ReaperClient
 from ._results import (
@@ -1043,10 +1043,8 @@ class Pool:
             for call in list(w.calls)[:0:-1]:  # newest first, never the one it runs
                 if idle <= 0:
                     return
-                if not call._recalling and call._cause is None:
-                    call._recalling = True
+                if self._recall(w, call):
                     idle -= 1
-                    self._send(w, encode(Recall(call.id)))
 
     def _requeue(self, call: Call) -> None:
         """A call its worker never took up goes back to the front of the queue."""
@@ -1213,9 +1211,16 @@ class Pool:
         """Ask w to give back the calls waiting behind call (a cancelled one is withdrawn on
         its cancel)."""
         for queued in self._behind(w, call):
-            if not queued._recalling and queued._cause is None:
-                queued._recalling = True
-                self._send(w, encode(Recall(queued.id)))
+            self._recall(w, queued)
+
+    def _recall(self, w: _Worker, call: Call) -> bool:
+        """Ask w to give call back, unless that is asked already or it is cancelled (then its
+        cancel withdraws it). True if asked now."""
+        if call._recalling or call._cause is not None:
+            return False
+        call._recalling = True
+        self._send(w, encode(Recall(call.id)))
+        return True
 
     async def _clear_behind(self, w: _Worker, call: Call) -> None:
         """Before a signal to w's tree for call, which w runs: take back the calls waiting
@@ -1957,21 +1962,18 @@ class Pool:
         elif any(ledger[0] == c.id + 1 for c in calls[1:]):
             taken = True  # names a call it cannot have begun: the marks are not to be believed
         else:
-            taken = False
+            # Not taken up, by the marks. But if it was already put back once this way, the
+            # marks are suspect: it is not run a third time (a cancelled one settles below).
+            taken = head._requeued and head._cause is None
         now = time.monotonic()
         requeue: list[Call] = []
-        for call in calls if not taken else calls[1:]:
+        for call in calls[1:] if taken else calls:
             call._worker = None
             if call._cause is not None:  # never taken up, and cancelled meanwhile
                 call._rung = Rung.CANCEL
                 call._times.pop("sigterm", None)
                 call._times.pop("sigkill", None)
                 self._settle_unstarted(call, call._cause)
-            elif call is head and call._requeued:
-                # Again its worker died with it first in line and, by the marks, not taken
-                # up: the marks are suspect; it is not run a third time.
-                call._worker = w
-                taken = True
             else:
                 requeue.append(call)
         if taken:
@@ -2001,7 +2003,7 @@ class Pool:
                     body_started=started,
                     exit_status=w.exit_status,
                 )
-        if head in requeue:
+        if requeue and requeue[0] is head:
             head._requeued = True
         for call in reversed(requeue):
             self._requeue(call)  # in order, at the front
@@ -2076,16 +2078,15 @@ def _other_members(w: _Worker) -> int:
     open; about 10 us opening it)."""
     try:
         if w.members_fd is not None:
-            members = os.pread(w.members_fd, 1 << 16, 0).split()
+            listed = os.pread(w.members_fd, 1 << 16, 0)
         elif w.members_file is not None:
             with open(w.members_file, "rb") as f:
-                members = f.read().split()
+                listed = f.read()
         else:
             return 0
     except OSError:
         return 0
-    own = str(w.pid).encode()
-    return sum(1 for member in members if member != own)
+    return others_listed(listed, w.pid)
 
 
 def _peer_pid(frame: zmq.Frame) -> int | None:

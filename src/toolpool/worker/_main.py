@@ -76,6 +76,7 @@ from ..protocol._ledger import (
 )
 from ..sandbox import Profile
 from ..sandbox._apply import apply_profile
+from ..sandbox._cgroups import others_listed
 from ..sandbox._linux import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl, reap_zombies
 
 if TYPE_CHECKING:
@@ -269,6 +270,7 @@ class _Server:
         self.max_frame = max_frame
         self.ledger = ledger
         self.members = members
+        self.pid = os.getpid()
         self.queue: collections.deque[Call] = collections.deque()
         self.current: tuple[int, Any] | None = None  # (call_id, CancelController)
         self.started_at = 0.0  # when the current call's body was invoked
@@ -468,7 +470,10 @@ class _Server:
             extras["output_dropped"] = dropped
         leftovers = len(_children()) if _has_children() else 0
         if not leftovers and self.members is not None:
-            leftovers = _other_members(self.members)
+            try:
+                leftovers = others_listed(os.pread(self.members, 1 << 16, 0), self.pid)
+            except OSError:
+                leftovers = 0
         # Left processes behind: take up nothing more until the supervisor killed them.
         self.hold = leftovers > 0 and not self.allow_background
         self.current = None
@@ -522,16 +527,6 @@ class _Server:
             if seq <= self.acked:
                 return slot
         return None
-
-
-def _other_members(fd: int) -> int:
-    """How many processes other than this one the worker's cgroup lists."""
-    try:
-        pids = os.pread(fd, 1 << 16, 0).split()
-    except OSError:
-        return 0
-    me = str(os.getpid()).encode()
-    return sum(1 for p in pids if p != me)
 
 
 def _children() -> list[int]:
