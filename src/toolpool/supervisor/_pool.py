@@ -529,6 +529,9 @@ class Pool:
         self._workers: dict[int, _Worker] = {}
         self._ready: list[_Worker] = []
         self._queue: collections.deque[Call] = collections.deque()
+        self._draining = 0  # how many _drain calls are on the stack
+        self._dispatching = False  # _dispatch is on the stack
+        self._dispatch_due = False  # _dispatch was asked for meanwhile: it runs once more
         self._calls: dict[int, Call] = {}
         self._groups: weakref.WeakSet[Group] = weakref.WeakSet()
         self._catalog: dict[str, dict[str, Any]] = {}
@@ -943,6 +946,23 @@ class Pool:
     # ------------------------------------------------------------------ dispatch
 
     def _dispatch(self) -> None:
+        """Send queued calls to the workers that may take them."""
+        if self._draining or self._dispatching:
+            # Once the messages read so far are handled: the calls their results freed room
+            # for then go in one message per worker, not one each. (Never nested: a worker
+            # that answers at once costs a loop turn here, not a stack frame.)
+            self._dispatch_due = True
+            return
+        self._dispatching = True
+        try:
+            self._dispatch_due = True
+            while self._dispatch_due:
+                self._dispatch_due = False
+                self._dispatch_once()
+        finally:
+            self._dispatching = False
+
+    def _dispatch_once(self) -> None:
         if self._state in ("closing", "closed"):
             return  # what is still queued settles as aborted_before_dispatch (disposed)
         queue = self._queue
@@ -1608,6 +1628,7 @@ class Pool:
         if w.draining or w.gone:
             return  # the drain further up the stack receives until nothing is readable
         w.draining = True
+        self._draining += 1
         try:
             while not sock.closed and readable(sock):
                 if w.state is WorkerState.SPAWNING:  # its hello: note who really sent it
@@ -1628,6 +1649,9 @@ class Pool:
                     self._violated(w, f"protocol violation: {type(exc).__name__}: {exc}")
         finally:
             w.draining = False
+            self._draining -= 1
+        if self._dispatch_due and not self._draining and not self._dispatching:
+            self._dispatch()
 
     def _on_message(self, w: _Worker, msg: Any) -> None:
         if isinstance(msg, ResultMessage):

@@ -377,9 +377,10 @@ class _Server:
     def _flush(self) -> None:
         """Send the results held back, in order."""
         pending, self.pending = self.pending, []
-        send = self.sock.send
-        for frame in pending:
-            send(frame, 0, copy=len(frame) < 65536)
+        if len(pending) == 1:
+            self.sock.send(pending[0], 0, copy=len(pending[0]) < 65536)
+        else:  # one message, one frame a result: one wake-up of each side's zmq thread
+            self.sock.send_multipart(pending, 0, copy=True)
 
     def _send_pending(self) -> None:
         self._flush()
