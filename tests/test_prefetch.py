@@ -22,6 +22,7 @@ import anyio
 import pytest
 
 import toolpool
+import toolpool.supervisor._pool as pool_module
 from pool_support import TOOLS, Readiness, new_marker, running_pool, workers_of_reaper
 from toolpool import Outcome, Rung
 
@@ -34,6 +35,19 @@ DISPOSED = {"kind": "disposed"}
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+#: The pool's own limit, kept before the fixture below lifts it.
+QUEUE_BEHIND_FOR = pool_module.QUEUE_BEHIND_FOR
+
+
+@pytest.fixture(autouse=True)
+def queue_behind_long_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about what happens to calls waiting behind a long call, which the
+    pool sends there only while the call before them is young (``QUEUE_BEHIND_FOR``; a
+    start announced to the test can take longer than that on a loaded machine). Lift the
+    limit here; the tests of the limit itself set it back."""
+    monkeypatch.setattr(pool_module, "QUEUE_BEHIND_FOR", 3600.0)
 
 
 @contextmanager
@@ -228,6 +242,59 @@ async def test_an_idle_worker_takes_back_calls_queued_behind_a_long_one() -> Non
         assert (await long).outcome is Outcome.ABORTED
 
 
+@pytest.mark.parametrize("young", [True, False], ids=["young", "old"])
+async def test_a_call_waits_in_a_worker_only_behind_a_call_that_is_young(
+    young: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Behind a call that has been first in line for QUEUE_BEHIND_FOR or more, a call waits
+    in the pool's queue, where a cancel settles it at once (C4.4)."""
+    async with Readiness.open() as ready, running_pool(workers=1) as pool:
+        running, _ = await _running(pool, ready)
+        # "Young" is a matter of time: the limit stands in for the time that passed.
+        monkeypatch.setattr(pool_module, "QUEUE_BEHIND_FOR", 3600.0 if young else 0.0)
+        queued = pool.submit("echo", {"value": 1})
+        queued.cancel()
+        assert queued.done() is not young  # in the worker, its withdrawal takes a round trip
+        result = await queued
+        assert result.outcome is Outcome.ABORTED_BEFORE_DISPATCH
+        assert result.body_started is False
+        assert (result.timeline.dispatched is None) is not young
+        running.cancel()
+        assert (await running).outcome is Outcome.ABORTED
+
+
+async def test_calls_behind_a_call_that_turns_out_long_go_back_to_the_front(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Calls sent to wait behind a call that then takes long are taken back at the next
+    dispatch, to the front of the pool's queue: a free worker runs them while the long call
+    still runs, not after the calls submitted later (the idle-worker steal alone would wait
+    until the pool's queue is empty). Until they are back, the free worker may take a few
+    later calls: the pool does not wait for them."""
+    async with Readiness.open() as ready, running_pool(workers=2, prefetch=1) as pool:
+        long = pool.submit("ready_sync_nap", {"ready": ready.path, "seconds": 30})
+        (long_pid,) = await ready.started()
+        other, other_pid = await _running(pool, ready)
+        assert other_pid != long_pid
+        behind = [pool.submit("echo", {"value": i}) for i in range(2)]  # one behind each
+        later = [pool.submit("echo", {"value": 10 + i}) for i in range(200)]
+        assert pool.statistics().queued == 202
+        monkeypatch.setattr(pool_module, "QUEUE_BEHIND_FOR", QUEUE_BEHIND_FOR)
+        await anyio.sleep(2 * QUEUE_BEHIND_FOR)  # the long call is now old
+        other.cancel()  # its worker's result makes the next dispatch
+        assert (await other).outcome is Outcome.ABORTED
+        with anyio.fail_after(15):
+            first = [await call for call in behind]
+            rest = [await call for call in later]
+        assert all(r.ok for r in first + rest), first + rest
+        assert {r.worker_pid for r in first + rest} == {other_pid}  # none behind the long one
+        taken_back = max(r.timeline.dispatched or 0.0 for r in first)
+        assert taken_back < (rest[-1].timeline.dispatched or 0.0)
+        assert not long.done()
+        long.cancel()
+        assert (await long).outcome is Outcome.ABORTED
+
+
 async def test_no_call_waits_behind_an_async_body() -> None:
     """An async body may hold its worker's loop: a call queued behind it could not be
     withdrawn. So it waits in the pool's queue, where a cancel settles it at once (C4.4)."""
@@ -361,7 +428,8 @@ async def test_a_tool_that_wipes_its_ledger_and_holds_the_gil_is_still_killed(
 def test_prefetch_defaults_and_bad_values() -> None:
     import toolpool
 
-    assert toolpool.Pool("pool_support:registry").prefetch == 2
+    assert toolpool.Pool("pool_support:registry").prefetch == 8
+    assert QUEUE_BEHIND_FOR == 0.005
     assert toolpool.Pool("pool_support:registry", profile="untrusted").prefetch == 0
     assert toolpool.Pool("pool_support:registry", profile="untrusted", prefetch=3).prefetch == 3
     for bad in (-1, 1.5, True, "2"):

@@ -104,7 +104,11 @@ TIMEOUT_TEXT: Final = "Error: tool call timed out"
 WorkerOutput = Literal["discard", "inherit"]
 StartMethod = Literal["fork", "spawn"]
 #: Calls a busy worker may hold queued (``Pool(prefetch=None)``), but see there.
-DEFAULT_PREFETCH: Final = 2
+DEFAULT_PREFETCH: Final = 8
+#: A call is sent to wait behind another in a busy worker only while the call first in line
+#: there has been so for less than this (seconds); calls waiting behind one that has taken
+#: longer are taken back to the front of the pool's queue at the next dispatch.
+QUEUE_BEHIND_FOR: Final = 0.005
 #: The worker's exit status after it sent 'fatal' (see worker/_main.py).
 EXIT_TOOLS_FAILED: Final = 71
 
@@ -333,6 +337,7 @@ class _Worker:
         "fatal",
         "gone",
         "gone_event",
+        "head_since",
         "hello_event",
         "holding",
         "ledger_fd",
@@ -366,6 +371,7 @@ class _Worker:
         self.start_method = "spawn"  # how the reaper started it: "spawn" or "fork"
         # Its calls in the order sent: the first runs (or is next), the rest wait in its queue.
         self.calls: collections.deque[Call] = collections.deque()
+        self.head_since = 0.0  # when the first of them became first (time.monotonic())
         self.holding = False  # its last call left processes behind: it waits for 'resume'
         self.results = 0  # results received from it (found in its ledger, too)
         self.ledger_fd: int | None = None  # its ledger file, read with pread
@@ -463,8 +469,9 @@ class Pool:
             queue, to take up the moment its running call ends (no round trip in between).
             A queued call is never lost or half-run: if its worker dies, or is killed for
             another call, it runs elsewhere; a cancel withdraws it; an idle worker takes
-            queued calls back from a busy one. 0 sends a call only to an idle worker. None
-            (default): 2, or 0 with a profile that runs workers under another uid (as
+            queued calls back from a busy one; calls queued behind a call that has run for
+            5 ms go back to the pool's queue. 0 sends a call only to an idle worker. None
+            (default): 8, or 0 with a profile that runs workers under another uid (as
             ``untrusted`` does): there the supervisor then looks for leftover processes
             itself after every call, which it cannot while another call is already queued
             in the worker (``docs/pool.md``).
@@ -967,8 +974,9 @@ class Pool:
             return  # what is still queued settles as aborted_before_dispatch (disposed)
         queue = self._queue
         batches: dict[_Worker, list[Call]] = {}
+        now = time.monotonic()
         while queue:
-            w = self._pick()
+            w = self._pick(now)
             if w is None:
                 break
             call = queue.popleft()
@@ -981,6 +989,7 @@ class Pool:
             if not w.calls:
                 if w in self._ready:
                     self._ready.remove(w)
+                w.head_since = now
                 w.state = WorkerState.BUSY
                 _reset_peak(w)  # the call's peak starts now
             w.calls.append(call)
@@ -989,7 +998,7 @@ class Pool:
             batches.setdefault(w, []).append(call)
         if batches:
             self._send_calls(batches)
-        self._steal()
+        self._steal(now)
 
     def _send_calls(self, batches: dict[_Worker, list[Call]]) -> None:
         """Send each worker its new calls as one multipart message: one wake-up of zmq's
@@ -1018,7 +1027,7 @@ class Pool:
             if not w.draining and not w.sock.closed and readable(w.sock):
                 self._drain(w)
 
-    def _pick(self) -> _Worker | None:
+    def _pick(self, now: float) -> _Worker | None:
         """The worker for the next queued call: an idle one (within the warm-spare limit),
         else the busy one with the fewest calls that may queue one more (``prefetch``)."""
         ready = self._ready
@@ -1044,25 +1053,32 @@ class Pool:
                 and all(c.tool in threaded for c in w.calls)
                 # Not behind a call being cancelled: its worker may be killed for it.
                 and w.calls[0]._cause is None
+                # Not behind one that already takes long (the rest would wait as long).
+                and now - w.head_since < QUEUE_BEHIND_FOR
             ):
                 best = w
         return best
 
-    def _steal(self) -> None:
-        """Nothing is queued here but a worker is idle: take back calls waiting in a busy
-        worker's queue (behind a long call they could wait long), to run on the idle one."""
-        if not self.prefetch or self._queue or not self._ready:
-            return
-        if self.warm_spares and self._serving() >= self.size:
+    def _steal(self, now: float) -> None:
+        """Take back calls waiting in busy workers' queues: all of those waiting behind a
+        call that has been first in line for ``QUEUE_BEHIND_FOR`` or longer (they go to the
+        front of the pool's queue); and while nothing is queued here but a worker is idle,
+        as many as there are idle workers, to run on them."""
+        if not self.prefetch:
             return
         idle = len(self._ready)
+        if self._queue or (self.warm_spares and self._serving() >= self.size):
+            idle = 0
         for w in list(self._workers.values()):
             if len(w.calls) < 2 or w.state is not WorkerState.BUSY:
                 continue
+            stuck = now - w.head_since >= QUEUE_BEHIND_FOR
             for call in list(w.calls)[:0:-1]:  # newest first, never the one it runs
-                if idle <= 0:
-                    return
-                if self._recall(w, call):
+                if stuck:
+                    self._recall(w, call)
+                elif idle <= 0:
+                    break
+                elif self._recall(w, call):
                     idle -= 1
 
     def _requeue(self, call: Call) -> None:
@@ -1388,6 +1404,7 @@ class Pool:
         if w is not None and call in w.calls:
             if w.calls[0] is call:
                 w.calls.popleft()
+                w.head_since = time.monotonic()
             else:
                 w.calls.remove(call)
             if w.acks_expected:  # an ack may still be on its way for this call, no older one
