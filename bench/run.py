@@ -171,9 +171,16 @@ def run_part(peer: str, part: str, smoke: bool, timeout: float) -> dict[str, Any
 
 
 def plan(peers: list[str], parts: list[str]) -> list[tuple[str, str]]:
+    """(peer, part) in run order: part by part, each over every peer, toolpool first and the
+    floors right after it. Every ratio is between runs minutes apart at most, not the length of
+    a whole run: this machine's speed drifts (a shared host; and a wake-up of an idle vCPU
+    costs more than one of a busy one), and the latency target is a ratio to the floor."""
+    if "toolpool" in peers and "floor" in peers:
+        peers = [p for p in peers if p != "floor"]
+        peers.insert(peers.index("toolpool") + 1, "floor")
     out = []
-    for peer in peers:
-        for part in parts:
+    for part in parts:
+        for peer in peers:
             if peer == "floor" and part not in FLOOR_PARTS:
                 continue
             out.append((peer, part))
