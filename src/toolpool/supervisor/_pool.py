@@ -1250,8 +1250,12 @@ class Pool:
 
     def _recall(self, w: _Worker, call: Call) -> bool:
         """Ask w to give call back, unless that is asked already or it is cancelled (then its
-        cancel withdraws it). True if asked now."""
+        cancel withdraws it), or it is no longer w's: a send reads what w sent, so the caller's
+        list of w's calls may be stale (one back in the pool's queue, marked, would go to its
+        next worker as if recalled from there). True if asked now."""
         if call._recalling or call._cause is not None:
+            return False
+        if call._worker is not w or call._result is not None:
             return False
         call._recalling = True
         self._send(w, encode(Recall(call.id)))
