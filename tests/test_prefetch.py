@@ -277,7 +277,10 @@ async def test_calls_behind_a_call_that_turns_out_long_go_back_to_the_front(
         other, other_pid = await _running(pool, ready)
         assert other_pid != long_pid
         behind = [pool.submit("echo", {"value": i}) for i in range(2)]  # one behind each
-        later = [pool.submit("echo", {"value": 10 + i}) for i in range(200)]
+        # Each later call takes a moment (as the calls behind the long one are taken back
+        # only once its worker answers the recall: on a loaded machine, that worker can wait
+        # tens of ms for a CPU, while the other worker would run 200 no-ops meanwhile).
+        later = [pool.submit("sync_nap", {"seconds": 0.002}) for _ in range(200)]
         assert pool.statistics().queued == 202
         monkeypatch.setattr(pool_module, "QUEUE_BEHIND_FOR", QUEUE_BEHIND_FOR)
         await anyio.sleep(2 * QUEUE_BEHIND_FOR)  # the long call is now old
