@@ -402,8 +402,9 @@ def keep_queue_hostage() -> str:
     queue (nor any later one), then return: they wait there for good."""
     import toolpool.worker._main as worker_main
 
-    # (It still sends the results it holds back: its own call's result is one of them.)
-    worker_main._Server._next = lambda self: self._send_pending() if self.pending else None  # type: ignore[method-assign]
+    # Neither its loop nor its lane takes up anything more. (It still sends the results it
+    # holds back: its own call's result is one of them.)
+    worker_main._Server._may_take = lambda self: False  # type: ignore[method-assign]
     worker_main._Server._withdraw = lambda self, call_id: None  # type: ignore[method-assign]
     return "done"
 

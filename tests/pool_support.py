@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -24,6 +25,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.from_thread
 import psutil
 
 import toolpool
@@ -72,10 +74,24 @@ for _fn in (
     registry.add_tool(_fn)
 
 
+def thread_name() -> str:
+    """The name of the thread the body runs in."""
+    return threading.current_thread().name
+
+
+def reach_the_loop() -> bool:
+    """A sync body that calls into its worker's event loop; True if that ran elsewhere."""
+    return bool(anyio.from_thread.run_sync(threading.get_ident) != threading.get_ident())
+
+
+registry.add_tool(thread_name)
+registry.add_tool(reach_the_loop)
+
 #: Tools whose approval may wait (``gated``'s approval sleeps ``seconds``), for the tests
 #: of what a worker does while a call sits in a stage before its body.
 approving = Registry()
 approving.add_tool(examples.echo)
+approving.add_tool(thread_name)
 
 
 @approving.tool

@@ -20,6 +20,16 @@ While more calls wait in its queue and each is quick, the worker holds back up t
 side's zmq thread for several calls. A call that makes the loop turn (its body runs longer
 than a moment, or a stage before it waits) sends what was held back at once.
 
+The lane: when the registry has no stage but the bodies (``Registry._runs_plain``), the calls
+of sync tools run in one thread, the lane, from take-up to result, one after the other: no
+hand-off of each body to a thread and back to the loop (two thread wake-ups a call, the most
+of what a quick call cost the worker). The loop keeps the socket: it reads messages while the
+lane runs, as while any body runs, and sends what the lane asks it to. What both touch (the
+queue, the current call, the ledger's bookkeeping, the results held back) is under ``mu``.
+While the lane runs calls, the loop looks every ``LANE_TICK`` whether a body has run past
+``QUICK_BODY_WAIT``, to say 'started' and send what was held back, as it would have after its
+quick wait; then it stops looking until that call ends.
+
 The worker never kills or abandons anything: a cancel message only cancels the call's signal,
 or withdraws a call that is still queued.
 """
@@ -35,6 +45,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import TYPE_CHECKING, Any
@@ -94,6 +105,8 @@ EXIT_PROTOCOL = 72
 QUICK_BODY_WAIT = 0.0002
 #: At most this many results are held back while the next queued calls run quickly.
 HOLD_BACK = 8
+#: While the lane runs calls, the loop looks this often (seconds) whether a body takes time.
+LANE_TICK = 0.001
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -286,6 +299,15 @@ class _Server:
         self._loop: Any = None  # asyncio: each call runs as a plain task (cheaper than anyio's)
         self._task: Any = None
         self._failure: BaseException | None = None
+        # The lane (see _lane) and what the loop shares with it, under `mu`: the queue,
+        # current, hold, shutdown, results, acked, need_ack, slots, pending, started_at.
+        self.mu = threading.RLock()
+        self.lane_wake = threading.Condition(self.mu)
+        self.lane: threading.Thread | None = None
+        self.lane_on = False  # the lane has the queue: the loop takes nothing up
+        self.lane_context: tuple[Any, Any] = (None, None)
+        self.said_started: int | None = None  # the lane's call the loop said 'started' for
+        self._tick_handle: Any = None
         # zmq is imported only after set-up; keep what the hot path needs at hand.
         import zmq
 
@@ -308,6 +330,8 @@ class _Server:
 
                     self._loop = asyncio.get_running_loop()
                     set_quick_wait(QUICK_BODY_WAIT)  # one call at a time: see _threads
+                    if self.capture is None:
+                        self._start_lane()
                     self._drain()
                     await anyio.sleep_forever()  # until shutdown cancels the task group
             while not (self.shutdown and self.current is None):
@@ -320,9 +344,10 @@ class _Server:
             raise self._failure
 
     def _send(self, frame: bytes) -> None:
-        if self.pending:
-            self._flush()  # in order: results held back go first
-        self.sock.send(frame, 0, copy=len(frame) < 65536)
+        with self.mu:
+            if self.pending:
+                self._flush()  # in order: results held back go first
+            self.sock.send(frame, 0, copy=len(frame) < 65536)
         # Sending may consume the edge of zmq's notification fd: drain what arrived meanwhile.
         if self._readable(self.sock):
             self._drain()
@@ -336,13 +361,18 @@ class _Server:
             except ProtocolViolation:
                 traceback.print_exc()
                 os._exit(EXIT_PROTOCOL)
-            self._handle(msg)
+            with self.mu:
+                self._handle(msg)
+        if self.queue:
+            with self.mu:
+                self._next()
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, Call):
+            # Taken up once the messages read so far are handled (_drain): the calls of one
+            # message go to the loop or the lane together.
             self.acked = max(self.acked, msg.acked)
             self.queue.append(msg)
-            self._next()
         elif isinstance(msg, Ack):
             self.acked = max(self.acked, msg.results)
             self._next()
@@ -379,11 +409,12 @@ class _Server:
         pending, self.pending = self.pending, []
         if len(pending) == 1:
             self.sock.send(pending[0], 0, copy=len(pending[0]) < 65536)
-        else:  # one message, one frame a result: one wake-up of each side's zmq thread
+        elif pending:  # one message, one frame a result: one wake-up of each side's zmq thread
             self.sock.send_multipart(pending, 0, copy=True)
 
     def _send_pending(self) -> None:
-        self._flush()
+        with self.mu:
+            self._flush()
         if self._readable(self.sock):  # see _send
             self._drain()
 
@@ -392,21 +423,28 @@ class _Server:
         if self.pending and self.current is not None and self.current[0] == call_id:
             self._send_pending()
 
+    def _may_take(self) -> bool:
+        return not (self.hold or self.shutdown or not self.queue or self.acked < self.need_ack)
+
     def _next(self) -> None:
-        """Take up the next queued call, if none runs and none may not yet."""
-        if self.current is not None:
+        """Take up the next queued call, if none runs and none may not yet (on the loop)."""
+        if self.current is not None or self.lane_on:
             return
-        if self.hold or self.shutdown or not self.queue or self.acked < self.need_ack:
+        if not self._may_take():
             # A result sent is in neither the ledger nor the supervisor's hands yet, or
             # nothing is taken up now: what was held back goes at once.
             if self.pending:
                 self._send_pending()
             return
-        msg = self.queue.popleft()
-        controller = CancelController()
-        self.current = (msg.call_id, controller)
-        if self.ledger is not None:
-            write_taken(self.ledger, msg.call_id)
+        msg = self.queue[0]
+        # The lane for calls that queue up; a lone call takes the loop's path, whose quick
+        # wait is the shorter way through for one call (no lane to start and stop).
+        if self.lane is not None and len(self.queue) > 1 and self.registry._runs_plain(msg.tool):
+            self.lane_on = True  # the lane takes it up, and what follows it (see _lane)
+            self.lane_wake.notify()
+            self._arm_tick()
+            return
+        msg, controller = self._take()
         if self._loop is not None:
             self._task = self._loop.create_task(self._run(msg, controller))
             self._task.add_done_callback(self._call_done)
@@ -415,20 +453,31 @@ class _Server:
         else:
             self._tg.start_soon(self._run, msg, controller)
 
+    def _take(self) -> tuple[Any, CancelController]:
+        """With the lock: take up the first queued call (the ledger says so first)."""
+        msg = self.queue.popleft()
+        controller = CancelController()
+        self.current = (msg.call_id, controller)
+        self.started_at = 0.0  # (_tick reads it: not the call before's)
+        if self.ledger is not None:
+            write_taken(self.ledger, msg.call_id)
+        return msg, controller
+
     def _call_done(self, task: Any) -> None:
         """A call's task ended: a failure of the worker itself stops it, loudly."""
         self._task = None
         if not task.cancelled() and task.exception() is not None:
-            self._failure = task.exception()
-            self._tg.cancel_scope.cancel()
+            self._fail(task.exception())
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failure = exc
+        self._tg.cancel_scope.cancel()
 
     def _invoked(self, call_id: int, in_thread: bool) -> None:
         """The registry is about to invoke the body: write the ledger. For a body that runs
         in a thread, say 'started' only if it still runs once the loop turns (a quick body's
         result says it); an async body could hold the loop for good: say it now."""
-        self.started_at = time.monotonic()
-        if self.ledger is not None:
-            write_invoked(self.ledger, call_id)
+        self._lane_invoked(call_id)
         if in_thread and self._loop is not None:
             self._loop.call_soon(self._still_running, call_id)
         else:
@@ -440,35 +489,174 @@ class _Server:
 
     async def _run(self, msg: Any, controller: Any) -> None:
         call_id = msg.call_id
-        reap_zombies()  # leftovers the supervisor killed between calls
-        if self.capture is not None:
-            self.capture.begin()
-        before = _usage()
-        self.started_at = 0.0
-        try:
-            args = unpack_value(msg.args, self.max_frame)
-        except ValueError as exc:
-            args = exc  # the registry turns a non-mapping into an ordinary `error`
-
+        before = self._begin()
         spec = self.specs.get(msg.tool)
         in_thread = spec is not None and not spec.is_async
         result = await self.registry.execute_owned(
             msg.tool,
-            args,
+            self._args(msg),
             controller=controller,
             call_id=str(call_id),
             on_dispatch=lambda: self._invoked(call_id, in_thread),
         )
-        packed = result._packed_value
-        if packed is None and result.value is not None:
-            packed = pack_value(result.value)
-        extras = _usage_since(before)
-        if self.started_at:
-            extras["started_at"] = self.started_at
+        extras = self._extras(before)
         if self.capture is not None:
             output, dropped = await anyio.to_thread.run_sync(self.capture.collect, call_id)
             extras["output"] = output
             extras["output_dropped"] = dropped
+        with self.mu:
+            frame, hold_back = self._conclude(call_id, result, extras)
+            if hold_back and self._loop is not None:
+                # Another call is queued: send this result with the next ones, in one go (one
+                # wake-up of each side's zmq thread for several), unless that call takes time
+                # (_flush_unless_done). It is in the ledger meanwhile.
+                self.pending.append(frame)
+            else:
+                self._send(frame)
+            if self.shutdown:
+                self._tg.cancel_scope.cancel()
+            else:
+                self._next()
+
+    # The lane: plain sync calls (Registry._runs_plain) run one after the other in one thread,
+    # from take-up to result, without a hand-off to the loop and back per call. The loop reads
+    # messages meanwhile, as while any sync body runs; it sends what the lane asks it to.
+
+    def _start_lane(self) -> None:
+        from ._threads import body_thread_context
+
+        self.lane_context = body_thread_context(self._loop)
+        self.lane = threading.Thread(target=self._lane, name="toolpool lane", daemon=True)
+        self.lane.start()
+
+    def _lane(self) -> None:
+        from ._threads import enter_body_thread
+
+        token, base = self.lane_context
+        enter_body_thread(token)
+        loop = self._loop
+
+        def call_soon(fn: Any, *args: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop is closed: the worker is exiting
+                pass
+
+        try:
+            with self.mu:
+                while True:
+                    while not self.lane_on:
+                        self.lane_wake.wait()
+                    if self.current is not None or not (
+                        self._may_take() and self.registry._runs_plain(self.queue[0].tool)
+                    ):
+                        self.lane_on = False  # back to the loop: it sends, or takes up
+                        call_soon(self._lane_stopped)
+                        continue
+                    msg, controller = self._take()
+                    self.mu.release()
+                    try:
+                        result, extras = base.copy().run(self._lane_call, msg, controller)
+                    finally:
+                        self.mu.acquire()
+                    frame, hold_back = self._conclude(msg.call_id, result, extras)
+                    self.pending.append(frame)
+                    if not hold_back:
+                        call_soon(self._send_pending)
+                    if self._tick_handle is None:  # it stopped while that call ran
+                        call_soon(self._arm_tick)
+        except BaseException as exc:  # a failure of the worker itself: stop, loudly
+            call_soon(self._fail, exc)
+
+    def _lane_call(self, msg: Any, controller: Any) -> tuple[Any, dict[str, Any]]:
+        call_id = msg.call_id
+        before = self._begin()
+        result = self.registry._execute_plain(
+            msg.tool,
+            self._args(msg),
+            controller=controller,
+            call_id=str(call_id),
+            on_dispatch=lambda: self._lane_invoked(call_id),
+        )
+        return result, self._extras(before)
+
+    def _lane_invoked(self, call_id: int) -> None:
+        """The body is about to be invoked: the ledger says so first. (In the lane, that is
+        all: 'started' is for the loop to say, _tick.)"""
+        self.started_at = time.monotonic()
+        if self.ledger is not None:
+            write_invoked(self.ledger, call_id)
+
+    def _tick(self) -> None:
+        """On the loop, while the lane runs: a body that takes time gets its 'started' said,
+        and what was held back goes (as _still_running and _flush_unless_done do). Then,
+        while that body runs, the loop has nothing to say: it stops looking until the lane
+        ends the call (_arm_tick)."""
+        with self.mu:
+            self._tick_handle = None
+            if not self.lane_on:
+                return
+            current = self.current
+            if (
+                current is not None
+                and self.started_at
+                and time.monotonic() - self.started_at >= QUICK_BODY_WAIT
+            ):
+                if self.said_started != current[0]:
+                    self.said_started = current[0]
+                    self._send(encode(Started(current[0])))  # after what was held back
+                elif self.pending:
+                    self._send_pending()
+                if self.current is current and self.said_started == current[0]:
+                    return
+            self._arm_tick()
+
+    def _arm_tick(self) -> None:
+        with self.mu:
+            if self.lane_on and self._tick_handle is None:
+                self._tick_handle = self._loop.call_later(LANE_TICK, self._tick)
+
+    def _lane_stopped(self) -> None:
+        """On the loop: the lane gave back (nothing it may take up): send what it held back,
+        then go on as after any call."""
+        with self.mu:
+            if self.lane_on:
+                return  # taken up again meanwhile
+            if self._tick_handle is not None:
+                self._tick_handle.cancel()
+                self._tick_handle = None
+            if self.pending:
+                self._send_pending()
+            if self.shutdown:
+                if self.current is None:
+                    self._tg.cancel_scope.cancel()
+            else:
+                self._next()
+
+    # What every call does, on the loop or in the lane.
+
+    def _begin(self) -> tuple[float, float]:
+        reap_zombies()  # leftovers the supervisor killed between calls
+        if self.capture is not None:
+            self.capture.begin()
+        self.started_at = 0.0
+        return _usage()
+
+    def _args(self, msg: Any) -> Any:
+        try:
+            return unpack_value(msg.args, self.max_frame)
+        except ValueError as exc:
+            return exc  # the registry turns a non-mapping into an ordinary `error`
+
+    def _extras(self, before: tuple[float, float]) -> dict[str, Any]:
+        extras = _usage_since(before)
+        if self.started_at:
+            extras["started_at"] = self.started_at
+        return extras
+
+    def _conclude(self, call_id: int, result: Any, extras: dict[str, Any]) -> tuple[bytes, bool]:
+        """With the lock: the call is over. Count its leftovers, keep its result in the
+        ledger; its frame, and whether it may be held back (another call is queued)."""
         leftovers = len(_children()) if _has_children() else 0
         if not leftovers and self.members is not None:
             try:
@@ -478,6 +666,9 @@ class _Server:
         # Left processes behind: take up nothing more until the supervisor killed them.
         self.hold = leftovers > 0 and not self.allow_background
         self.current = None
+        packed = result._packed_value
+        if packed is None and result.value is not None:
+            packed = pack_value(result.value)
         reply = Result(
             call_id,
             result.outcome.value,
@@ -502,23 +693,14 @@ class _Server:
                 extras["kept"] = False
                 frame = encode(reply)
             self.need_ack = self.results
-        if (
+        hold_back = (
             extras["kept"]
-            and self.queue
+            and bool(self.queue)
             and not self.hold
+            and not self.shutdown
             and len(self.pending) < HOLD_BACK
-            and self._loop is not None
-        ):
-            # Another call is queued: send this result with the next ones, in one go (one
-            # wake-up of each side's zmq thread for several), unless that call takes time
-            # (_flush_unless_done). It is in the ledger meanwhile.
-            self.pending.append(frame)
-        else:
-            self._send(frame)
-        if self.shutdown:
-            self._tg.cancel_scope.cancel()
-        else:
-            self._next()
+        )
+        return frame, hold_back
 
     def _free_slot(self) -> int | None:
         """A ledger slot whose result the supervisor has received, if any."""

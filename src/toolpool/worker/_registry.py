@@ -7,6 +7,7 @@ learns of cancellation is its signal.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import itertools
@@ -525,25 +526,16 @@ class Registry:
     ) -> ToolResult:
         spec = self._tools.get(name)
         finalizer = spec.finalize if spec is not None else None
-        if spec is None:
-            candidate = _error(name, call_id, f"Error: unknown tool {name!r}", "UnknownTool")
+        prepared = _prepare(spec, name, args, call_id, caller)
+        if isinstance(prepared, ToolResult):
+            candidate = prepared
         else:
-            try:
-                frozen = _freeze_args(args)
-                kwargs = spec.signature.bind(frozen)
-            except Exception as exc:
-                candidate = _error(
-                    name,
-                    call_id,
-                    f"Error: invalid arguments for tool {name!r}: {exc}",
-                    "InvalidArguments",
-                )
-            else:
-                run = _Run(name, call_id, frozen, caller)
-                if caller.cancelled:
-                    candidate = _cancelled(run, started=False, reason=caller.reason)
-                else:
-                    candidate = await self._stages(spec, run, kwargs, on_dispatch)
+            assert spec is not None
+            candidate = await self._stages(spec, *prepared, on_dispatch)
+        return self._publish(finalizer, candidate)
+
+    def _publish(self, finalizer: ContentFinalizer | None, candidate: ToolResult) -> ToolResult:
+        """The end of every call: the content finalizer, then the observers (C2.4)."""
         result = _finalize(finalizer, candidate)
         for observer in self._observers:
             try:
@@ -551,6 +543,43 @@ class Registry:
             except Exception:
                 _log.exception("result observer %r raised", observer)
         return result
+
+    def _runs_plain(self, name: str) -> bool:
+        """Whether a call of ``name`` may go through :meth:`_execute_plain`: a sync tool, and
+        no stage but its body (no policies, approval, wrappers or observers, which may expect
+        the event loop's thread or wait on it)."""
+        spec = self._tools.get(name)
+        return (
+            spec is not None
+            and not spec.is_async
+            and not (self._pre or self._approval or self._wrappers or self._post)
+            and not self._observers
+        )
+
+    def _execute_plain(
+        self,
+        name: str,
+        args: Mapping[str, Any],
+        *,
+        controller: CancelController,
+        call_id: str,
+        on_dispatch: Callable[[], object] | None = None,
+    ) -> ToolResult:
+        """:meth:`execute_owned` for a call that :meth:`_runs_plain`, run entirely in the
+        calling thread, which is not the event loop's (the worker's body thread): the same
+        order, outcome and classification; the body is invoked directly, in this thread.
+        For the worker process only. Not counted in :attr:`in_flight`."""
+        spec = self._tools[name]
+        finalizer = spec.finalize
+        try:
+            prepared = _prepare(spec, name, args, call_id, controller.signal)
+            if isinstance(prepared, ToolResult):
+                candidate = prepared
+            else:
+                candidate = _invoke_plain(spec, *prepared, on_dispatch)
+            return self._publish(finalizer, candidate)
+        finally:
+            cancel_with_runtime_cause(controller, _DISPOSED_CAUSE)
 
     async def _stages(
         self,
@@ -634,7 +663,7 @@ class Registry:
         try:
             value = await chain(0)()
         except BaseException as exc:
-            return self._classify_failure(run, state, exc)
+            return _classify_failure(run, state, exc, anyio.get_cancelled_exc_class())
         finally:
             for fusion in fusions:
                 fusion.close(expire=True)
@@ -667,25 +696,86 @@ class Registry:
             return _cancelled(run, started=True, reason=reason)
         return _ok(run, value, started=True)
 
-    def _classify_failure(self, run: _Run, state: _DispatchState, exc: BaseException) -> ToolResult:
-        caller = run.caller_signal
-        cancelled_exc = isinstance(exc, (AbortError, anyio.get_cancelled_exc_class()))
-        if exc is state.body_exc:
-            if cancelled_exc and (state.body_cancelled or caller.cancelled):
-                reason = _reason(state) if state.body_cancelled else caller.reason
-                return _cancelled(run, started=True, reason=reason)
-            return _failure(run, exc, started=True, what="tool")
-        if not state.body_started and state.refused and isinstance(exc, AbortError):
-            return _cancelled(run, started=False, reason=caller.reason or _reason(state, exc))
-        if cancelled_exc and caller.cancelled:
-            return _cancelled(run, started=state.body_started, reason=caller.reason)
-        return _failure(run, exc, started=state.body_started, what="wrapper")
-
     def __repr__(self) -> str:
         return f"<Registry tools={sorted(self._tools)}>"
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _prepare(
+    spec: ToolSpec | None,
+    name: str,
+    args: Mapping[str, Any],
+    call_id: str,
+    caller: CancelSignal,
+) -> tuple[_Run, dict[str, Any]] | ToolResult:
+    """A call's first steps (C2.4): its arguments frozen and bound, then the caller's signal
+    checked; a result if the call ends here."""
+    if spec is None:
+        return _error(name, call_id, f"Error: unknown tool {name!r}", "UnknownTool")
+    try:
+        frozen = _freeze_args(args)
+        kwargs = spec.signature.bind(frozen)
+    except Exception as exc:
+        return _error(
+            name,
+            call_id,
+            f"Error: invalid arguments for tool {name!r}: {exc}",
+            "InvalidArguments",
+        )
+    run = _Run(name, call_id, frozen, caller)
+    if caller.cancelled:
+        return _cancelled(run, started=False, reason=caller.reason)
+    return run, kwargs
+
+
+def _invoke_plain(
+    spec: ToolSpec,
+    run: _Run,
+    kwargs: dict[str, Any],
+    on_dispatch: Callable[[], object] | None,
+) -> ToolResult:
+    """The body of a plain call (no wrappers, no post policies), invoked in this thread, and
+    its outcome, classified as :meth:`Registry._stages` would."""
+    caller = run.caller_signal
+    reason = caller.reason
+    if reason is not None:  # cancelled since the check in _prepare: never dispatched
+        return _cancelled(run, started=False, reason=reason)
+    state = _DispatchState()
+    state.body_signal = caller
+    if on_dispatch is not None:
+        on_dispatch()
+    state.body_started = True
+    if spec.signature.execution_param is not None:
+        kwargs = {**kwargs, spec.signature.execution_param: ToolExecution(run, caller)}
+    try:
+        value = spec.fn(**kwargs)
+    except BaseException as exc:  # a result, like any failure of a body (C2.6)
+        state.body_cancelled = caller.cancelled
+        state.body_exc = exc
+        # The worker's loop is asyncio's: its cancellation is asyncio.CancelledError.
+        return _classify_failure(run, state, exc, asyncio.CancelledError)
+    if caller.cancelled:
+        return _cancelled(run, started=True, reason=caller.reason)
+    return _ok(run, value, started=True)
+
+
+def _classify_failure(
+    run: _Run, state: _DispatchState, exc: BaseException, cancelled_class: type[BaseException]
+) -> ToolResult:
+    caller = run.caller_signal
+    cancelled_exc = isinstance(exc, (AbortError, cancelled_class))
+    if exc is state.body_exc:
+        if cancelled_exc and (state.body_cancelled or caller.cancelled):
+            reason = _reason(state) if state.body_cancelled else caller.reason
+            return _cancelled(run, started=True, reason=reason)
+        return _failure(run, exc, started=True, what="tool")
+    if not state.body_started and state.refused and isinstance(exc, AbortError):
+        return _cancelled(run, started=False, reason=caller.reason or _reason(state, exc))
+    if cancelled_exc and caller.cancelled:
+        return _cancelled(run, started=state.body_started, reason=caller.reason)
+    return _failure(run, exc, started=state.body_started, what="wrapper")
 
 
 async def _deadline_timer(deadline: CancelController, timeout: float | None) -> None:

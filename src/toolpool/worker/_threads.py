@@ -51,7 +51,7 @@ _internals = _anyio_internals()
 if _internals is not None:
     _AsyncIOBackend, _EventLoopToken, _anyio_threadlocals, _set_async_library = _internals
 
-__all__ = ("run_body_in_thread", "set_quick_wait")
+__all__ = ("body_thread_context", "enter_body_thread", "run_body_in_thread", "set_quick_wait")
 
 #: At most this many body threads; beyond it (many sync bodies at once, in-process), bodies
 #: use anyio's thread pool and its capacity limiter.
@@ -206,6 +206,25 @@ async def run_body_in_thread(fn: Callable[[], Any]) -> Any:
     if cancelled is not None:
         raise cancelled
     return _outcome(job)
+
+
+def body_thread_context(loop: asyncio.AbstractEventLoop) -> tuple[Any, contextvars.Context]:
+    """On ``loop``'s thread: what another thread needs to run bodies as a body thread does
+    (:func:`enter_body_thread`, then each body in a copy of the context returned)."""
+    context = contextvars.copy_context()
+    if _set_async_library is not None:
+        context.run(_set_async_library, None)
+    token = _token_for(loop) if _EventLoopToken is not None else None
+    return token, context
+
+
+def enter_body_thread(token: Any) -> None:
+    """In the thread that will run bodies: what a body sees of anyio there is what it sees in
+    a body thread (``anyio.from_thread.run_sync()`` reaches the loop)."""
+    local = _anyio_threadlocals
+    if local is not None and token is not None:
+        local.current_token = token
+        local.current_cancel_scope = None
 
 
 def _outcome(job: _Job) -> Any:

@@ -1,0 +1,94 @@
+"""The worker's lane: sync calls that queue up in a worker, with no stage but their bodies,
+run in one thread from take-up to result, one after the other, without a hand-off to the
+worker's loop and back per call. Real workers; what the lane must keep is what every sync call
+has (CONTRACT C2.5): a body in a thread, its start reported while it runs, the loop free to
+read a cancel meanwhile, and every call settled in order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+import toolpool
+import toolpool.supervisor._pool as pool_module
+from pool_support import running_pool
+from toolpool import Outcome
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60, method="thread")]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def queue_behind_any_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls are queued behind a call of any age here (see test_prefetch)."""
+    monkeypatch.setattr(pool_module, "QUEUE_BEHIND_FOR", 3600.0)
+
+
+async def queued_up(pool: toolpool.Pool, tool: str, args: dict[str, Any]) -> Any:
+    """Submit ``tool`` so that it waits in the worker's queue with another call behind it:
+    the lane takes the two up once the call before them ends. (A lone call takes the loop's
+    path.)"""
+    pool.submit("sync_nap", {"seconds": 0.3})
+    call = pool.submit(tool, args)
+    pool.submit("echo", {"value": "behind"})
+    return call
+
+
+async def test_queued_plain_sync_calls_run_in_the_lane_and_others_as_before() -> None:
+    async with running_pool() as pool:
+        assert (await pool.call("thread_name")).value == "toolpool body"  # alone
+        lane = await queued_up(pool, "thread_name", {})
+        assert (await lane).value == "toolpool lane"
+    async with running_pool("pool_support:approving") as pool:  # an approval stage
+        staged = [pool.submit("thread_name") for _ in range(3)]
+        assert [(await call).value for call in staged] == ["toolpool body"] * 3
+
+
+async def test_a_body_in_the_lane_reaches_its_workers_loop() -> None:
+    async with running_pool() as pool:
+        result = await (await queued_up(pool, "reach_the_loop", {}))
+        assert result.ok, result
+        assert result.value is True
+
+
+async def test_a_long_body_in_the_lane_is_reported_started_while_it_runs() -> None:
+    async with running_pool() as pool:
+        call = await queued_up(pool, "sync_nap", {"seconds": 30})
+        with anyio.fail_after(10):
+            assert await call.wait_started()
+        assert not call.done()  # said by the worker while the body runs, not by its result
+        call.cancel()
+        result = await call
+        assert result.outcome is Outcome.ABORTED
+        assert result.body_started is True
+
+
+async def test_the_worker_idles_while_a_body_in_the_lane_waits() -> None:
+    """Once a body's start is said, the loop stops looking at the lane until the call ends:
+    a body that waits two seconds costs its worker about nothing (a look every 1 ms would
+    cost tens of milliseconds of CPU)."""
+    async with running_pool() as pool:
+        result = await (await queued_up(pool, "sync_nap", {"seconds": 2}))
+        assert result.ok, result
+        assert result.cpu_time is not None
+        assert result.cpu_time < 0.015, result.cpu_time
+
+
+async def test_sync_and_async_calls_queued_in_one_worker_take_turns_in_order() -> None:
+    async with running_pool(prefetch=8) as pool:
+        calls = [
+            pool.submit("echo", {"value": i}) if i % 3 else pool.submit("nap", {"seconds": 0})
+            for i in range(60)
+        ]
+        with anyio.fail_after(30):
+            results = [await call for call in calls]
+        assert all(r.ok for r in results), results
+        assert [r.value for i, r in enumerate(results) if i % 3] == [i for i in range(60) if i % 3]
+        returned = [r.timeline.returned or 0.0 for r in results]
+        assert returned == sorted(returned)  # one worker, one call at a time, in order
