@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 from typing import Any
 
 import anyio
@@ -397,16 +398,22 @@ def hold_gil(seconds: float) -> float:
 
 
 @registry.tool
-def keep_queue_hostage() -> str:
-    """Patch the worker so that it neither takes up nor gives back the calls waiting in its
-    queue (nor any later one), then return: they wait there for good."""
+def keep_queue_hostage(queued: int = 0) -> int:
+    """Once ``queued`` calls wait in its worker's queue, patch the worker so that it neither
+    takes up nor gives back the calls waiting there (nor any later one), then return how many
+    wait: they wait there for good."""
     import toolpool.worker._main as worker_main
+
+    (server,) = [obj for obj in gc.get_objects() if isinstance(obj, worker_main._Server)]
+    deadline = time.monotonic() + 10
+    while len(server.queue) < queued and time.monotonic() < deadline:
+        time.sleep(0.001)  # no event to wait on: the worker's loop appends to its queue
 
     # Neither its loop nor its lane takes up anything more. (It still sends the results it
     # holds back: its own call's result is one of them.)
     worker_main._Server._may_take = lambda self: False  # type: ignore[method-assign]
     worker_main._Server._withdraw = lambda self, call_id: None  # type: ignore[method-assign]
-    return "done"
+    return len(server.queue)
 
 
 @registry.tool
