@@ -36,7 +36,7 @@ __all__ = (
 _U64: Final = struct.Struct("<Q")
 _MARKS: Final = struct.Struct("<QQ")
 SLOTS_AT: Final = 4096
-SLOT_SIZE: Final = 8 * 1024
+SLOT_SIZE: Final = 64 * 1024  # 10 KiB results fit: no round trip for them
 SLOTS: Final = 16
 #: The largest result frame a slot keeps; a larger one is not kept.
 SLOT_PAYLOAD: Final = SLOT_SIZE - 16
