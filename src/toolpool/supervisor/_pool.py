@@ -1488,7 +1488,11 @@ class Pool:
             if os.path.exists(peak):
                 # Kept open: a write and a read per call cost 1 us so, 20 us opening it each
                 # time. (Where writing resets the peak per open file, this is also the file.)
-                w.peak_fd = os.open(peak, os.O_RDWR | os.O_CLOEXEC)
+                # Where it cannot be reset, no peak is reported: it would not be the call's.
+                try:
+                    w.peak_fd = os.open(peak, os.O_RDWR | os.O_CLOEXEC)
+                except OSError:
+                    w.peak_fd = None
 
         scratch: str | None = None
         if profile.scratch_dir:
