@@ -434,7 +434,7 @@ async def test_a_tool_that_wipes_its_ledger_and_holds_the_gil_is_still_killed(
 def test_prefetch_defaults_and_bad_values() -> None:
     import toolpool
 
-    assert toolpool.Pool("pool_support:registry").prefetch == 8
+    assert toolpool.Pool("pool_support:registry").prefetch == 16
     assert QUEUE_BEHIND_FOR == 0.005
     assert toolpool.Pool("pool_support:registry", profile="untrusted").prefetch == 0
     assert toolpool.Pool("pool_support:registry", profile="untrusted", prefetch=3).prefetch == 3

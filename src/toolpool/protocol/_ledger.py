@@ -36,8 +36,8 @@ __all__ = (
 _U64: Final = struct.Struct("<Q")
 _MARKS: Final = struct.Struct("<QQ")
 SLOTS_AT: Final = 4096
-SLOT_SIZE: Final = 64 * 1024  # 10 KiB results fit: no round trip for them
-SLOTS: Final = 16
+SLOT_SIZE: Final = 32 * 1024  # 10 KiB results fit: no round trip for them
+SLOTS: Final = 32  # HOLD_BACK results held back and a queue of them in flight
 #: The largest result frame a slot keeps; a larger one is not kept.
 SLOT_PAYLOAD: Final = SLOT_SIZE - 16
 LEDGER_SIZE: Final = SLOTS_AT + SLOTS * SLOT_SIZE

@@ -104,7 +104,7 @@ TIMEOUT_TEXT: Final = "Error: tool call timed out"
 WorkerOutput = Literal["discard", "inherit"]
 StartMethod = Literal["fork", "spawn"]
 #: Calls a busy worker may hold queued (``Pool(prefetch=None)``), but see there.
-DEFAULT_PREFETCH: Final = 8
+DEFAULT_PREFETCH: Final = 16
 #: A call is sent to wait behind another in a busy worker only while the call first in line
 #: there has been so for less than this (seconds); calls waiting behind one that has taken
 #: longer are taken back to the front of the pool's queue at the next dispatch.
@@ -471,7 +471,7 @@ class Pool:
             another call, it runs elsewhere; a cancel withdraws it; an idle worker takes
             queued calls back from a busy one; calls queued behind a call that has run for
             5 ms go back to the pool's queue. 0 sends a call only to an idle worker. None
-            (default): 8, or 0 with a profile that runs workers under another uid (as
+            (default): 16, or 0 with a profile that runs workers under another uid (as
             ``untrusted`` does): there the supervisor then looks for leftover processes
             itself after every call, which it cannot while another call is already queued
             in the worker (``docs/pool.md``).

@@ -104,7 +104,7 @@ EXIT_PROTOCOL = 72
 #: arrives meanwhile is read at most this late. See worker/_threads.py.
 QUICK_BODY_WAIT = 0.0002
 #: At most this many results are held back while the next queued calls run quickly.
-HOLD_BACK = 8
+HOLD_BACK = 16
 #: While the lane runs calls, the loop looks this often (seconds) whether a body takes time.
 LANE_TICK = 0.001
 
