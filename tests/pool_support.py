@@ -12,6 +12,7 @@ body is running before it cancels the call.
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import socket
@@ -27,6 +28,7 @@ import anyio
 import anyio.abc
 import anyio.from_thread
 import psutil
+import zmq
 
 import toolpool
 from toolpool import Registry, ToolExecution
@@ -72,6 +74,32 @@ for _fn in (
     examples.pid,
 ):
     registry.add_tool(_fn)
+
+
+class FakeWorkerSocket:
+    """Stands in for a worker's PAIR socket in white-box tests of the pool: what the test (or
+    a subclass's ``send``) puts in ``inbox`` is what the supervisor reads next."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.inbox: collections.deque[bytes] = collections.deque()
+
+    def send(self, frame: bytes, flags: int = 0, copy: bool = True) -> None:
+        raise NotImplementedError
+
+    def send_multipart(self, frames: list[bytes], flags: int = 0, copy: bool = True) -> None:
+        for frame in frames:
+            self.send(frame, flags, copy)
+
+    def get(self, option: int) -> int:
+        assert option == zmq.EVENTS
+        return int(zmq.POLLIN) if self.inbox else 0
+
+    getsockopt = get
+
+    def recv(self, flags: int = 0) -> bytes:
+        return self.inbox.popleft()
 
 
 def thread_name() -> str:

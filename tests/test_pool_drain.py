@@ -9,13 +9,12 @@ socket that answers every call at once makes this deterministic.
 
 from __future__ import annotations
 
-import collections
 from typing import Any
 
 import pytest
-import zmq
 
 import toolpool
+from pool_support import FakeWorkerSocket
 from toolpool import Outcome
 from toolpool.protocol import Call, Result, Started, decode_from_supervisor, encode, pack_value
 from toolpool.supervisor._pool import WorkerState, _Worker
@@ -23,13 +22,11 @@ from toolpool.supervisor._pool import WorkerState, _Worker
 CALLS = 3000  # several times Python's default recursion limit, in calls
 
 
-class _InstantWorker:
-    """Stands in for a worker's PAIR socket: every call is answered before send() returns."""
-
-    closed = False
+class _InstantWorker(FakeWorkerSocket):
+    """Every call is answered before send() returns."""
 
     def __init__(self) -> None:
-        self.inbox: collections.deque[bytes] = collections.deque()
+        super().__init__()
         self.served = 0
 
     def send(self, frame: bytes, flags: int = 0, copy: bool = True) -> None:
@@ -39,19 +36,6 @@ class _InstantWorker:
         self.inbox.append(encode(Started(msg.call_id)))
         value = pack_value(msg.call_id)
         self.inbox.append(encode(Result(msg.call_id, "ok", value, None, None, True, {}, 0, {})))
-
-    def send_multipart(self, frames: list[bytes], flags: int = 0, copy: bool = True) -> None:
-        for frame in frames:
-            self.send(frame, flags, copy)
-
-    def get(self, option: int) -> int:
-        assert option == zmq.EVENTS
-        return int(zmq.POLLIN) if self.inbox else 0
-
-    getsockopt = get
-
-    def recv(self, flags: int = 0) -> bytes:
-        return self.inbox.popleft()
 
 
 @pytest.mark.anyio

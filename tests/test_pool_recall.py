@@ -7,14 +7,13 @@ arrives whenever the supervisor next reads its socket, and a send reads it (see
 
 from __future__ import annotations
 
-import collections
 import time
 
 import pytest
-import zmq
 
 import toolpool
 import toolpool.supervisor._pool as pool_module
+from pool_support import FakeWorkerSocket
 from toolpool.protocol import Recall, Withdrawn, decode_from_supervisor, encode
 from toolpool.supervisor._pool import WorkerState, _Worker
 
@@ -22,31 +21,15 @@ from toolpool.supervisor._pool import WorkerState, _Worker
 LONG_AGO = 10 * 3600.0
 
 
-class _QuietWorker:
-    """Stands in for a worker's PAIR socket: records what it is sent; answers only what the
-    test puts in its inbox."""
-
-    closed = False
+class _QuietWorker(FakeWorkerSocket):
+    """Records what it is sent; answers only what the test puts in its inbox."""
 
     def __init__(self) -> None:
-        self.inbox: collections.deque[bytes] = collections.deque()
+        super().__init__()
         self.sent: list[object] = []
 
     def send(self, frame: bytes, flags: int = 0, copy: bool = True) -> None:
         self.sent.append(decode_from_supervisor(frame))
-
-    def send_multipart(self, frames: list[bytes], flags: int = 0, copy: bool = True) -> None:
-        for frame in frames:
-            self.send(frame, flags, copy)
-
-    def get(self, option: int) -> int:
-        assert option == zmq.EVENTS
-        return int(zmq.POLLIN) if self.inbox else 0
-
-    getsockopt = get
-
-    def recv(self, flags: int = 0) -> bytes:
-        return self.inbox.popleft()
 
     def recalled(self) -> list[int]:
         return [m.call_id for m in self.sent if isinstance(m, Recall)]
