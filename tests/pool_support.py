@@ -112,8 +112,23 @@ def reach_the_loop() -> bool:
     return bool(anyio.from_thread.run_sync(threading.get_ident) != threading.get_ident())
 
 
+def fork_and_return() -> int:
+    """A careless sync body: it forks, and both processes return (the child never exits)."""
+    os.fork()
+    return os.getpid()
+
+
+def append_pid(path: str) -> int:
+    """Append the pid of the process that runs the body to the file ``path``, one a line."""
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return os.getpid()
+
+
 registry.add_tool(thread_name)
 registry.add_tool(reach_the_loop)
+registry.add_tool(fork_and_return)
+registry.add_tool(append_pid)
 
 #: Tools whose approval may wait (``gated``'s approval sleeps ``seconds``), for the tests
 #: of what a worker does while a call sits in a stage before its body.

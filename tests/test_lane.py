@@ -92,3 +92,25 @@ async def test_sync_and_async_calls_queued_in_one_worker_take_turns_in_order() -
         assert [r.value for i, r in enumerate(results) if i % 3] == [i for i in range(60) if i % 3]
         returned = [r.timeline.returned or 0.0 for r in results]
         assert returned == sorted(returned)  # one worker, one call at a time, in order
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["held", "allow_background"])
+async def test_the_child_of_a_body_that_forks_in_the_lane_runs_no_queued_call(
+    background: bool, tmp_path: Any
+) -> None:
+    """A body that forks and returns in both processes: the child is a leftover of that
+    call, never a second worker. It must not go on as the lane and take up the calls queued
+    behind, which would then run twice: there, and in the worker. (Held for leftovers, a
+    child that counts the worker's cgroup as its own leftovers holds too; with background
+    processes allowed, nothing holds it.)"""
+    marks = tmp_path / "marks"
+    async with running_pool(allow_background=background) as pool:
+        forked = await queued_up(pool, "fork_and_return", {})
+        after = [pool.submit("append_pid", {"path": str(marks)}) for _ in range(3)]
+        with anyio.fail_after(30):
+            result = await forked
+            results = [await call for call in after]
+        assert result.ok, result
+        assert all(r.ok for r in results), results
+        worker = str(result.worker_pid)
+        assert marks.read_text().split() == [worker] * 3  # each ran once, in the worker

@@ -558,6 +558,11 @@ class _Server:
                     try:
                         result, extras = base.copy().run(self._lane_call, msg, controller)
                     finally:
+                        if os.getpid() != self.pid:
+                            # The body forked and the child returned here: a leftover of
+                            # the call, not the worker. It must neither keep a result in the
+                            # ledger nor take up the calls queued here (they would run twice).
+                            os._exit(0)
                         self.mu.acquire()
                     frame, hold_back = self._conclude(msg.call_id, result, extras)
                     self.pending.append(frame)
