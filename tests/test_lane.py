@@ -6,15 +6,18 @@ read a cancel meanwhile, and every call settled in order."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 
 import toolpool
 import toolpool.supervisor._pool as pool_module
 from pool_support import running_pool
-from toolpool import Outcome
+from toolpool import CancelController, Outcome
+from toolpool.worker._threads import body_thread_context, enter_body_thread
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60, method="thread")]
 
@@ -114,3 +117,96 @@ async def test_the_child_of_a_body_that_forks_in_the_lane_runs_no_queued_call(
         assert all(r.ok for r in results), results
         worker = str(result.worker_pid)
         assert marks.read_text().split() == [worker] * 3  # each ran once, in the worker
+
+
+# The lane's registry path against the loop's: the same tool, the same result. (In-process:
+# Registry._execute_plain in a thread set up as the lane's, Registry.execute_owned on the loop.)
+
+plain = toolpool.Registry()
+_controllers: list[CancelController] = []
+
+
+def _cancel_own_call() -> None:
+    _controllers[-1].cancel()
+
+
+@plain.tool
+def returns() -> int:
+    return 1
+
+
+@plain.tool
+def raises() -> None:
+    raise ValueError("no")
+
+
+@plain.tool
+def raises_stop_iteration() -> None:
+    raise StopIteration("out")
+
+
+@plain.tool
+def raises_system_exit() -> None:
+    raise SystemExit(3)
+
+
+@plain.tool
+def raises_keyboard_interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+@plain.tool
+def raises_abort_error() -> None:
+    raise toolpool.AbortError("not cancelled")
+
+
+@plain.tool
+def cancelled_then_raises_abort_error(execution: toolpool.ToolExecution) -> None:
+    _cancel_own_call()
+    execution.signal.raise_if_cancelled()
+
+
+@plain.tool
+def cancelled_then_returns() -> int:
+    _cancel_own_call()
+    return 2
+
+
+@plain.tool
+def returns_unserializable() -> object:
+    return object()
+
+
+@plain.tool(finalize=lambda result: result.replace_content("final"))
+def finalized() -> str:
+    return "raw"
+
+
+@pytest.mark.parametrize("cancelled", [False, True], ids=["live", "cancelled-before"])
+@pytest.mark.parametrize("tool", sorted(plain.tools))
+async def test_the_lanes_registry_path_settles_each_call_as_the_loops(
+    tool: str, cancelled: bool
+) -> None:
+    loop = asyncio.get_running_loop()
+    token, context = body_thread_context(loop)
+
+    def controller() -> CancelController:
+        _controllers.append(CancelController())
+        if cancelled:
+            _controllers[-1].cancel()
+        return _controllers[-1]
+
+    on_loop = await plain.execute_owned(tool, {}, controller=controller(), call_id="1")
+
+    def in_the_lane() -> toolpool.ToolResult:
+        enter_body_thread(token)
+        return context.copy().run(
+            plain._execute_plain, tool, {}, controller=controller(), call_id="1"
+        )
+
+    in_lane = await anyio.to_thread.run_sync(in_the_lane)
+
+    def facts(r: toolpool.ToolResult) -> tuple[Any, ...]:
+        return (r.outcome, r.value, r.error, r.error_name, r.body_started)
+
+    assert facts(in_lane) == facts(on_loop)

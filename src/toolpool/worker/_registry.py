@@ -752,6 +752,12 @@ def _invoke_plain(
     try:
         value = spec.fn(**kwargs)
     except BaseException as exc:  # a result, like any failure of a body (C2.6)
+        if isinstance(exc, StopIteration):
+            # As on the loop's path, where the body's exception is raised again in a
+            # coroutine, which turns a StopIteration into this (PEP 479).
+            raised = exc
+            exc = RuntimeError("coroutine raised StopIteration")
+            exc.__cause__ = raised
         state.body_cancelled = caller.cancelled
         state.body_exc = exc
         # The worker's loop is asyncio's: its cancellation is asyncio.CancelledError.
