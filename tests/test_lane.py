@@ -177,6 +177,17 @@ def returns_unserializable() -> object:
     return object()
 
 
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("cannot say")
+
+
+@plain.tool
+def raises_unprintable() -> None:
+    """An exception whose str() raises: still an ordinary error (C2.6), never a crash."""
+    raise _Unprintable
+
+
 @plain.tool(finalize=lambda result: result.replace_content("final"))
 def finalized() -> str:
     return "raw"
@@ -210,3 +221,13 @@ async def test_the_lanes_registry_path_settles_each_call_as_the_loops(
         return (r.outcome, r.value, r.error, r.error_name, r.body_started)
 
     assert facts(in_lane) == facts(on_loop)
+
+
+async def test_an_exception_that_cannot_say_what_it_is_is_still_an_error() -> None:
+    result = await plain.execute_owned(
+        "raises_unprintable", {}, controller=CancelController(), call_id="1"
+    )
+    assert result.outcome is toolpool.Outcome.ERROR
+    assert result.error_name == "_Unprintable"
+    assert result.error == "Error: _Unprintable: <exception str() failed>"
+    assert result.body_started is True

@@ -721,7 +721,7 @@ def _prepare(
         return _error(
             name,
             call_id,
-            f"Error: invalid arguments for tool {name!r}: {exc}",
+            f"Error: invalid arguments for tool {name!r}: {_text(exc)}",
             "InvalidArguments",
         )
     run = _Run(name, call_id, frozen, caller)
@@ -797,18 +797,18 @@ async def _stage(run: _Run, what: str, invoke: Callable[[], Any]) -> Any:
         if inspect.isawaitable(verdict):
             verdict = await verdict
     except ToolDenied as exc:
-        return _denied(run, str(exc) or f"refused by {what}")
+        return _denied(run, _text(exc) or f"refused by {what}")
     except BaseException as exc:
         if isinstance(exc, (AbortError, anyio.get_cancelled_exc_class())) and (
             run.caller_signal.cancelled
         ):
             return _cancelled(run, started=False, reason=run.caller_signal.reason)
         if not isinstance(exc, Exception):
-            _log.warning("%s raised %r; reported as an error", what, exc)
+            _log.warning("%s raised %s; reported as an error", what, type(exc).__name__)
         return _error(
             run.tool,
             run.call_id,
-            f"Error: {what} failed: {type(exc).__name__}: {exc}",
+            f"Error: {what} failed: {type(exc).__name__}: {_text(exc)}",
             type(exc).__name__,
             context=run.context,
         )
@@ -836,7 +836,7 @@ def _freeze_args(args: Mapping[str, Any]) -> Mapping[str, Any]:
     try:
         copied, _ = _snapshot(dict(args))
     except Exception as exc:
-        raise TypeError(f"arguments are not serializable: {exc}") from None
+        raise TypeError(f"arguments are not serializable: {_text(exc)}") from None
     return MappingProxyType(copied)
 
 
@@ -854,7 +854,7 @@ def _ok(run: _Run, value: Any, *, started: bool) -> ToolResult:
         return _error(
             run.tool,
             run.call_id,
-            f"Error: tool result is not serializable: {exc}",
+            f"Error: tool result is not serializable: {_text(exc)}",
             "UnserializableResult",
             started=started,
             context=run.context,
@@ -890,16 +890,25 @@ def _error(
     )
 
 
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, or what the traceback module says when that raises too: the text of an
+    error result never fails (C2.6)."""
+    try:
+        return str(exc)
+    except Exception:
+        return "<exception str() failed>"
+
+
 def _failure(run: _Run, exc: BaseException, *, started: bool, what: str) -> ToolResult:
     if not isinstance(exc, Exception):
-        _log.warning("%s raised %r; reported as an error", what, exc)
+        _log.warning("%s raised %s; reported as an error", what, type(exc).__name__)
     _log.debug("%s %r failed", what, run.tool, exc_info=exc)
     return _error(
         run.tool,
         run.call_id,
-        f"Error: {type(exc).__name__}: {exc}"
+        f"Error: {type(exc).__name__}: {_text(exc)}"
         if what == "tool"
-        else f"Error: {what} failed: {type(exc).__name__}: {exc}",
+        else f"Error: {what} failed: {type(exc).__name__}: {_text(exc)}",
         type(exc).__name__,
         started=started,
         context=run.context,
@@ -957,6 +966,6 @@ def _finalize(finalizer: ContentFinalizer | None, candidate: ToolResult) -> Tool
             outcome=Outcome.ERROR,
             value=None,
             _packed_value=None,
-            error=f"Error: content finalizer failed: {type(exc).__name__}: {exc}",
+            error=f"Error: content finalizer failed: {type(exc).__name__}: {_text(exc)}",
             error_name=type(exc).__name__,
         )
