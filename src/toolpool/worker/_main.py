@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextvars
 import importlib
 import json
 import mmap
@@ -305,7 +306,6 @@ class _Server:
         self.lane_wake = threading.Condition(self.mu)
         self.lane: threading.Thread | None = None
         self.lane_on = False  # the lane has the queue: the loop takes nothing up
-        self.lane_context: tuple[Any, Any] = (None, None)
         self.said_started: int | None = None  # the lane's call the loop said 'started' for
         self._tick_handle: Any = None
         # zmq is imported only after set-up; keep what the hot path needs at hand.
@@ -477,7 +477,7 @@ class _Server:
         """The registry is about to invoke the body: write the ledger. For a body that runs
         in a thread, say 'started' only if it still runs once the loop turns (a quick body's
         result says it); an async body could hold the loop for good: say it now."""
-        self._lane_invoked(call_id)
+        self._record_invoked(call_id)
         if in_thread and self._loop is not None:
             self._loop.call_soon(self._still_running, call_id)
         else:
@@ -525,14 +525,17 @@ class _Server:
     def _start_lane(self) -> None:
         from ._threads import body_thread_context
 
-        self.lane_context = body_thread_context(self._loop)
-        self.lane = threading.Thread(target=self._lane, name="toolpool lane", daemon=True)
+        self.lane = threading.Thread(
+            target=self._lane,
+            args=body_thread_context(self._loop),
+            name="toolpool lane",
+            daemon=True,
+        )
         self.lane.start()
 
-    def _lane(self) -> None:
+    def _lane(self, token: Any, base: contextvars.Context) -> None:
         from ._threads import enter_body_thread
 
-        token, base = self.lane_context
         enter_body_thread(token)
         loop = self._loop
 
@@ -581,11 +584,11 @@ class _Server:
             self._args(msg),
             controller=controller,
             call_id=str(call_id),
-            on_dispatch=lambda: self._lane_invoked(call_id),
+            on_dispatch=lambda: self._record_invoked(call_id),
         )
         return result, self._extras(before)
 
-    def _lane_invoked(self, call_id: int) -> None:
+    def _record_invoked(self, call_id: int) -> None:
         """The body is about to be invoked: the ledger says so first. (In the lane, that is
         all: 'started' is for the loop to say, _tick.)"""
         self.started_at = time.monotonic()
@@ -612,8 +615,7 @@ class _Server:
                     self._send(encode(Started(current[0])))  # after what was held back
                 elif self.pending:
                     self._send_pending()
-                if self.current is current and self.said_started == current[0]:
-                    return
+                return  # said: nothing more while it runs (the lane re-arms the tick)
             self._arm_tick()
 
     def _arm_tick(self) -> None:
@@ -644,7 +646,6 @@ class _Server:
         reap_zombies()  # leftovers the supervisor killed between calls
         if self.capture is not None:
             self.capture.begin()
-        self.started_at = 0.0
         return _usage()
 
     def _args(self, msg: Any) -> Any:

@@ -552,8 +552,7 @@ class Registry:
         return (
             spec is not None
             and not spec.is_async
-            and not (self._pre or self._approval or self._wrappers or self._post)
-            and not self._observers
+            and not (self._pre or self._approval or self._wrappers or self._post or self._observers)
         )
 
     def _execute_plain(
