@@ -78,6 +78,12 @@ def hostile_frame(kind: str, call_id: int, target: int, size: int) -> list[bytes
         return [encode(Result(call_id, "ok", b"\xc1", None, None, True, {}))]
     if kind == "multipart_garbage":
         return [msgpack.packb(["pong", 1]), b"\xc1"]
+    if kind == "garbage_then_own_result":
+        # One message: nothing after the violation may count, not even a well-formed result.
+        return [
+            b"\xc1",
+            encode(Result(call_id, "ok", msgpack.packb("forged"), None, None, True, {})),
+        ]
     raise ValueError(f"unknown attack {kind!r}")
 
 

@@ -101,6 +101,9 @@ class FakeWorkerSocket:
     def recv(self, flags: int = 0) -> bytes:
         return self.inbox.popleft()
 
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+        return [self.inbox.popleft()]  # each entry in the inbox is one single-part message
+
 
 def thread_name() -> str:
     """The name of the thread the body runs in."""

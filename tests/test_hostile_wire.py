@@ -114,6 +114,8 @@ VIOLATIONS = {
     "not_an_array": "protocol violation: a frame is an array",
     # Its first part is a pong, which no worker may send unasked: refused before the garbage.
     "multipart_garbage": "protocol violation: a pong it was not asked for",
+    # Garbage, then in the same message its own call's result: believed, it would settle ok.
+    "garbage_then_own_result": "protocol violation: undecodable frame",
     "oversized": "its connection dropped",
     "unknown_type": "protocol violation: unknown message type",
     "wrong_arity": "protocol violation: 'started' takes 1 fields",

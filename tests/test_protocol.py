@@ -404,6 +404,7 @@ def test_ids_must_be_non_negative_64_bit_integers(bad: Any) -> None:
         result_frame(extras={"max_rss": 1.5}),
         result_frame(extras={"started_at": 1}),
         result_frame(extras={"kept": 1}),
+        result_frame(extras={"cpu_time": None}),  # a documented field, present, is typed
         result_frame(leftovers="1"),
         result_frame(context={b"k": 1}),
         frame("fatal", "secret-as-str", "error"),

@@ -346,6 +346,17 @@ def _frame(frame: bytes, max_len: int) -> tuple[str, list[Any]]:
     return data[0], data[1:]
 
 
+#: The documented extras of a result and their types (others are ignored).
+_EXTRAS: dict[Any, type] = {
+    "cpu_time": float,
+    "max_rss": int,
+    "output": bytes,
+    "output_dropped": int,
+    "started_at": float,
+    "kept": bool,
+}
+
+
 def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> WorkerMessage:
     """Decode and validate one frame a worker sent. Raises :class:`ProtocolViolation`."""
     kind, body = _frame(frame, max_len)
@@ -353,15 +364,7 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
         _arity(body, 9, kind)
         extras = body[8]
         if type(extras) is not dict or not all(
-            type(extras.get(k, t())) is t
-            for k, t in (
-                ("cpu_time", float),
-                ("max_rss", int),
-                ("output", bytes),
-                ("output_dropped", int),
-                ("started_at", float),
-                ("kept", bool),
-            )
+            type(v) is _EXTRAS.get(k, type(v)) for k, v in extras.items()
         ):
             raise ProtocolViolation("extras must be a map of the documented fields and types")
         outcome = body[1]

@@ -95,6 +95,7 @@ _log = logging.getLogger("toolpool.supervisor")
 
 _DISPOSED: Final = CancelCause("disposed")
 _PARENT: Final = CancelCause("parent")
+_NO_CONTEXT: Final[Mapping[str, Any]] = MappingProxyType({})  # read-only: one serves all
 _TIMEOUT: Final = CancelCause("timeout")
 _RUNG_ORDER: Final = {Rung.NONE: 0, Rung.CANCEL: 1, Rung.SIGTERM: 2, Rung.SIGKILL: 3}
 WORKER_LOST_TEXT: Final = "Error: worker lost"
@@ -1049,8 +1050,9 @@ class Pool:
                 and not w.gone
                 and (best is None or n < len(best.calls))
                 # Only behind bodies that leave the worker's loop free to withdraw it: an
-                # async body can hold the loop (and the queue) for as long as it runs.
-                and all(c.tool in threaded for c in w.calls)
+                # async body can hold the loop (and the queue) for as long as it runs. (The
+                # last one is enough: a call joins only a queue of such bodies.)
+                and w.calls[-1].tool in threaded
                 # Not behind a call being cancelled: its worker may be killed for it.
                 and w.calls[0]._cause is None
                 # Not behind one that already takes long (the rest would wait as long).
@@ -1073,6 +1075,8 @@ class Pool:
             if len(w.calls) < 2 or w.state is not WorkerState.BUSY:
                 continue
             stuck = now - w.head_since >= QUEUE_BEHIND_FOR
+            if not stuck and idle <= 0:
+                continue
             for call in list(w.calls)[:0:-1]:  # newest first, never the one it runs
                 if stuck:
                     self._recall(w, call)
@@ -1389,7 +1393,7 @@ class Pool:
             worker_pid=w.pid if w is not None else None,
             exit_code=exit_code,
             exit_signal=exit_signal,
-            context=MappingProxyType(dict(context or {})),
+            context=MappingProxyType(dict(context)) if context else _NO_CONTEXT,
             leftovers_killed=leftovers_killed,
             cpu_time=cpu_time,
             max_rss=max_rss,
@@ -1408,7 +1412,7 @@ class Pool:
         if w is not None and call in w.calls:
             if w.calls[0] is call:
                 w.calls.popleft()
-                w.head_since = time.monotonic()
+                w.head_since = now
             else:
                 w.calls.remove(call)
             if w.acks_expected:  # an ack may still be on its way for this call, no older one
@@ -1659,19 +1663,23 @@ class Pool:
                 if w.state is WorkerState.SPAWNING:  # its hello: note who really sent it
                     zframe = sock.recv(zmq.NOBLOCK, copy=False)
                     w.peer_pid = _peer_pid(zframe)
-                    frame = zframe.bytes
+                    frames = [zframe.bytes]
                 else:
-                    frame = sock.recv(zmq.NOBLOCK)
-                if w.violation is not None:
-                    continue  # a quarantined violator: nothing it says counts any more
-                try:
-                    msg = decode_from_worker(frame, max_len=self.max_frame)
-                    self._on_message(w, msg)
-                except ProtocolViolation as exc:
-                    self._violated(w, f"protocol violation: {exc}")
-                except Exception as exc:  # a decoder gap must never take the supervisor down
-                    _log.exception("worker %s: unexpected error handling its message", w.wid)
-                    self._violated(w, f"protocol violation: {type(exc).__name__}: {exc}")
+                    # All parts of one message (results held back come as one): one check
+                    # of the socket's events per message, not per frame (each costs zmq a
+                    # look at its command mailbox, a good part of a quick call's cost).
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                for frame in frames:
+                    if w.violation is not None or sock.closed:
+                        break  # a quarantined violator: nothing it says counts any more
+                    try:
+                        msg = decode_from_worker(frame, max_len=self.max_frame)
+                        self._on_message(w, msg)
+                    except ProtocolViolation as exc:
+                        self._violated(w, f"protocol violation: {exc}")
+                    except Exception as exc:  # a decoder gap must never take the supervisor down
+                        _log.exception("worker %s: unexpected error handling its message", w.wid)
+                        self._violated(w, f"protocol violation: {type(exc).__name__}: {exc}")
         finally:
             w.draining = False
             self._draining -= 1
