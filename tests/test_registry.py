@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from types import MappingProxyType
 from typing import Any, Literal
 
 import anyio
@@ -34,6 +35,7 @@ from toolpool import (
     fuse,
 )
 from toolpool.core import BODY_STARTED
+from toolpool.worker._registry import DecodedArgs
 
 BEFORE_DISPATCH_TEXT = "Error: tool call aborted before dispatch"
 ABORTED_TEXT = "Error: tool call aborted"
@@ -1562,6 +1564,45 @@ async def test_invalid_arguments_are_named_and_the_body_never_starts(
     assert message in result.error
     assert result.body_started is False
     assert ran == []
+
+
+@pytest.mark.anyio
+async def test_arguments_fresh_from_msgpack_are_frozen_without_a_copy() -> None:
+    """The worker's arguments, just decoded (DecodedArgs), need no snapshot: the body sees
+    them read-only, bound and checked as any others, and their values are not copied again
+    (a large payload is not copied twice more); any other mapping is still snapshotted."""
+    registry = Registry()
+    seen: list[Any] = []
+
+    @registry.tool
+    def keep(args_view: ToolExecution, data: bytes, items: list[int]) -> None:
+        seen.append((args_view.args, data, items))
+
+    data, items = b"x" * 100_000, [1, 2]
+    for args, copied in (
+        (DecodedArgs(data=data, items=items), False),
+        ({"data": data, "items": items}, True),
+    ):
+        seen.clear()
+        result = await registry.execute("keep", args, signal=CancelController().signal)
+        assert result.outcome is Outcome.OK, result
+        ((view, got_data, got_items),) = seen
+        assert isinstance(view, MappingProxyType)
+        with pytest.raises(TypeError):
+            view["data"] = b""  # type: ignore[index]
+        assert (got_data, got_items) == (data, items)
+        assert (got_items is not items) is copied
+        assert (got_data is not data) is copied
+
+    bad = await registry.execute(
+        "keep",
+        DecodedArgs({1: "a"}),
+        signal=CancelController().signal,  # type: ignore[dict-item]
+    )
+    assert bad.error_name == "InvalidArguments"
+    assert bad.error is not None
+    assert "argument names must be strings" in bad.error
+    assert bad.body_started is False
 
 
 @pytest.mark.anyio

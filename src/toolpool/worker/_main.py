@@ -312,7 +312,9 @@ class _Server:
         import zmq
 
         from .._transport import readable
+        from ._registry import DecodedArgs
 
+        self._decoded = DecodedArgs
         self._readable = readable
         self._noblock = zmq.NOBLOCK
 
@@ -355,14 +357,16 @@ class _Server:
     def _drain(self) -> None:
         sock = self.sock
         while self._readable(sock):
-            frame = sock.recv(self._noblock)
-            try:
-                msg = decode_from_supervisor(frame, max_len=self.max_frame)
-            except ProtocolViolation:
-                traceback.print_exc()
-                os._exit(EXIT_PROTOCOL)
-            with self.mu:
-                self._handle(msg)
+            # All parts of one message (the calls sent together): one check of the socket's
+            # events per message, not per frame.
+            for frame in sock.recv_multipart(self._noblock):
+                try:
+                    msg = decode_from_supervisor(frame, max_len=self.max_frame)
+                except ProtocolViolation:
+                    traceback.print_exc()
+                    os._exit(EXIT_PROTOCOL)
+                with self.mu:
+                    self._handle(msg)
         if self.queue:
             with self.mu:
                 self._next()
@@ -650,9 +654,11 @@ class _Server:
 
     def _args(self, msg: Any) -> Any:
         try:
-            return unpack_value(msg.args, self.max_frame)
+            args = unpack_value(msg.args, self.max_frame)
         except ValueError as exc:
             return exc  # the registry turns a non-mapping into an ordinary `error`
+        # Fresh from msgpack, held by nobody else: the registry freezes them without a copy.
+        return self._decoded(args) if type(args) is dict else args
 
     def _extras(self, before: tuple[float, float]) -> dict[str, Any]:
         extras = _usage_since(before)
@@ -675,6 +681,9 @@ class _Server:
         packed = result._packed_value
         if packed is None and result.value is not None:
             packed = pack_value(result.value)
+        # A value too large for a ledger slot however it is framed is not kept (nor framed
+        # twice to find out).
+        slot = None if len(packed or b"") > SLOT_PAYLOAD else self._free_slot()
         reply = Result(
             call_id,
             result.outcome.value,
@@ -687,7 +696,6 @@ class _Server:
             extras,
         )
         self.results += 1
-        slot = self._free_slot()
         extras["kept"] = slot is not None
         frame = encode(reply)
         if slot is not None and len(frame) <= SLOT_PAYLOAD:

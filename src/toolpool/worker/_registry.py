@@ -827,11 +827,20 @@ def _snapshot(value: Any) -> tuple[Any, bytes]:
     return msgpack.unpackb(packed, raw=False, strict_map_key=False), packed
 
 
+class DecodedArgs(dict[str, Any]):
+    """Arguments just decoded from msgpack (the worker's, from a call message): nobody else
+    holds them and they are what a snapshot would make, so freezing them takes no copy."""
+
+    __slots__ = ()
+
+
 def _freeze_args(args: Mapping[str, Any]) -> Mapping[str, Any]:
     if not isinstance(args, Mapping):
         raise TypeError(f"arguments must be a mapping, not {type(args).__name__}")
     if any(not isinstance(k, str) for k in args):
         raise TypeError("argument names must be strings")
+    if type(args) is DecodedArgs:
+        return MappingProxyType(args)
     try:
         copied, _ = _snapshot(dict(args))
     except Exception as exc:
