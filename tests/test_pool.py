@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import psutil
 import pytest
 
@@ -70,6 +71,85 @@ def assert_in_order(result: toolpool.Result, *steps: str) -> None:
     times = [getattr(result.timeline, step) for step in steps]
     assert None not in times, result.timeline
     assert times == sorted(times), result.timeline
+
+
+def hold_spawn_reports(monkeypatch: pytest.MonkeyPatch, until: Any) -> list[int]:
+    """The reaper's report of a new worker (its pid, how it started it) reaches the pool only
+    once ``until(worker)`` returns, so the worker's hello can come first (as seen under load).
+    Returns the ids of the workers whose report was held."""
+    import toolpool.supervisor._pool as pool_module
+
+    handle = pool_module.Pool._on_reaper_event
+    held: list[int] = []
+
+    def late(pool: Any, event: dict[str, Any]) -> None:
+        w = pool._workers.get(int(event.get("wid", 0)))
+        if event.get("ev") != "spawned" or w is None:
+            handle(pool, event)
+            return
+        held.append(w.wid)
+
+        async def later() -> None:
+            await until(w)
+            handle(pool, event)
+
+        pool._tg.start_soon(later)
+
+    monkeypatch.setattr(pool_module.Pool, "_on_reaper_event", late)
+    return held
+
+
+async def test_start_returns_once_the_reaper_reported_every_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """start() returns only when every worker said hello and the reaper said which process it
+    is and how it started it, in whichever order they came."""
+
+    async def some_turns_after_hello(w: Any) -> None:
+        await w.hello_event.wait()
+        for _ in range(20):
+            await anyio.lowlevel.checkpoint()
+
+    held = hold_spawn_reports(monkeypatch, some_turns_after_hello)
+    async with toolpool.Pool(TOOLS, workers=2) as pool:
+        assert len(held) == 2  # both reports came after the hellos
+        pids = pool.worker_pids()
+        assert len(pids) == 2
+        assert all(psutil.pid_exists(pid) for pid in pids)
+        assert pool.worker_start_methods() == dict.fromkeys(pids, "fork")
+
+
+async def test_a_call_served_before_the_reaper_reported_its_worker_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replacement can serve before the reaper's report of it arrives: its result still
+    names the worker's pid (the one the kernel vouched for at its hello), and its calls are
+    not taken for leftovers of themselves (the worker in its own cgroup)."""
+    released = anyio.Event()
+    replacing = False
+
+    async def until_released(w: Any) -> None:
+        if replacing:  # not the first worker's: the replacement's
+            await released.wait()
+
+    held = hold_spawn_reports(monkeypatch, until_released)  # the reaper's handler is bound
+    async with toolpool.Pool(EXAMPLES, workers=1, warm_spares=0) as pool:
+        (first,) = pool.worker_pids()
+        held.clear()
+        replacing = True
+        os.kill(first, signal.SIGKILL)
+        with anyio.fail_after(20):
+            result = await pool.call("pid")
+        assert held  # the replacement served with its report held back
+        assert result.ok, result
+        assert result.worker_pid == result.value != first
+        assert result.leftovers_killed == 0
+        assert pool.worker_start_methods() == {}
+        released.set()
+        with anyio.fail_after(20):
+            again = await pool.call("pid")
+        assert again.value == result.value
+        assert pool.worker_start_methods() == {result.value: "fork"}
 
 
 # =========================================================================== C3 outcomes

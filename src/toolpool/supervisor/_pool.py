@@ -369,7 +369,7 @@ class _Worker:
         self.secret = secret
         self.state = WorkerState.SPAWNING
         self.pid: int | None = None
-        self.start_method = "spawn"  # how the reaper started it: "spawn" or "fork"
+        self.start_method: str | None = None  # how the reaper started it, once it said
         # Its calls in the order sent: the first runs (or is next), the rest wait in its queue.
         self.calls: collections.deque[Call] = collections.deque()
         self.head_since = 0.0  # when the first of them became first (time.monotonic())
@@ -606,9 +606,14 @@ class Pool:
                 while True:
                     if self._broken is not None:
                         raise self._broken
-                    if sum(w.state is WorkerState.READY for w in self._workers.values()) >= (
-                        self.size + self.warm_spares
-                    ):
+                    # Ready: it said hello, and the reaper said how it started it (the two
+                    # can come in either order).
+                    ready = (
+                        w
+                        for w in self._workers.values()
+                        if w.state is WorkerState.READY and w.start_method is not None
+                    )
+                    if sum(1 for _ in ready) >= self.size + self.warm_spares:
                         break
                     await self._wait_workers_changed()
         except BaseException as exc:
@@ -872,11 +877,12 @@ class Pool:
 
     def worker_start_methods(self) -> dict[int, str]:
         """How each live worker was started, by pid: ``"fork"`` (from the reaper's template)
-        or ``"spawn"`` (a new interpreter)."""
+        or ``"spawn"`` (a new interpreter). A worker the reaper has not reported yet (a
+        replacement, a moment after it started) is not listed."""
         return {
             w.pid: w.start_method
             for w in self._workers.values()
-            if w.pid is not None and not w.gone
+            if w.pid is not None and w.start_method is not None and not w.gone
         }
 
     async def wait_idle(self) -> None:
@@ -1772,6 +1778,11 @@ class Pool:
                 raise ProtocolViolation(
                     f"hello sent by process {w.peer_pid}, which is not the worker ({msg.pid})"
                 )
+            if w.pid is None and w.peer_pid == msg.pid:
+                # The reaper's report of its pid can come after the hello. Until then, the pid
+                # the kernel vouches for stands in (results, the cgroup's member count); the
+                # report is checked against it ("spawned").
+                w.pid = msg.pid
             catalog: dict[str, dict[str, Any]] = {}
             for entry in msg.tools:
                 desc = dict(entry)
@@ -1913,6 +1924,7 @@ class Pool:
                 # Its hello (handled before this report) came from another process.
                 self._quarantine(w, f"hello sent by process {w.peer_pid}, not the worker")
             w.start_method = str(event.get("method", "spawn"))
+            self._notify_workers_changed()
         elif kind == "fork_unavailable":
             if not self._fork_warned:
                 self._fork_warned = True
