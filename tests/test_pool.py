@@ -968,6 +968,46 @@ async def test_worker_start_error_carries_the_traceback() -> None:
             hog.wait()
 
 
+async def test_a_workers_fatal_read_only_after_its_tree_is_reported_gone_still_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The order the test above provokes with load, forced: the worker's 'fatal' reaches the
+    supervisor only after the reaper reported the worker exited *and* its tree gone (the
+    socket's I/O thread lagging behind the reaper). The traceback must still be reported:
+    the socket stays open and read until the fatal is in, or the wait for it ends."""
+    import toolpool.supervisor._pool as pool_module
+
+    drain, on_event = pool_module.Pool._drain, pool_module.Pool._on_reaper_event
+    gone_reported: set[int] = set()
+
+    def lagging_drain(pool: Any, w: Any) -> None:
+        if w.wid in gone_reported:
+            drain(pool, w)
+        # else: nothing has arrived yet, as far as the supervisor can tell
+
+    def reaper_event(pool: Any, event: dict[str, Any]) -> None:
+        on_event(pool, event)
+        if event.get("ev") == "gone":
+            gone_reported.add(int(event["wid"]))
+            w = pool._workers.get(int(event["wid"]))
+            if w is not None:
+                drain(pool, w)  # what arrived meanwhile is read (the reader's next turn)
+
+    async def no_disconnect_watch(pool: Any, w: Any) -> None:
+        await w.gone_event.wait()  # (its drain would read the fatal before the gone report)
+
+    monkeypatch.setattr(pool_module.Pool, "_drain", lagging_drain)
+    monkeypatch.setattr(pool_module.Pool, "_on_reaper_event", reaper_event)
+    monkeypatch.setattr(pool_module.Pool, "_watch_disconnect", no_disconnect_watch)
+    pool = toolpool.Pool("toolpool_no_such_module_xyz:registry", workers=1)
+    with anyio.fail_after(30), pytest.raises(toolpool.WorkerStartError) as info:
+        await pool.start()
+    assert gone_reported  # the gone report came before anything was read
+    message = str(info.value)
+    assert "Traceback" in message, message
+    assert "ModuleNotFoundError" in message, message
+
+
 async def test_reaper_client_close_while_its_event_pump_is_woken() -> None:
     # The pool's own pieces, driven directly (a last resort: no public hook reaches this
     # timing). The pool does the same: ReaperClient.run() in its task group, then aclose().

@@ -337,6 +337,7 @@ class _Worker:
         "exit_status",
         "fatal",
         "gone",
+        "gone_deferred",
         "gone_event",
         "head_since",
         "hello_event",
@@ -394,6 +395,7 @@ class _Worker:
         self.draining = False
         self.escalated = False
         self.awaiting_fatal = False
+        self.gone_deferred = False  # its tree is gone, handled once its 'fatal' is read
         self.peak_fd: int | None = None  # its cgroup's peak memory file, kept open
         self.peer_pid: int | None = None  # who sent its first message (SO_PEERCRED)
         self.oom_kills = 0  # OOM kills in its memory cgroup, as the reaper read them at exit
@@ -1874,7 +1876,9 @@ class Pool:
         if not w.start_failed:
             self._start_failure(w, f"the worker exited with status {w.exit_status} at start")
         w.awaiting_fatal = False
-        if w.gone:  # _worker_gone left the replacement decision to us
+        if w.gone_deferred:  # its tree's end came meanwhile: now it counts
+            self._worker_gone(w)
+        elif w.gone:  # _worker_gone (the reaper lost) left the replacement decision to us
             self._maybe_replace(w)
 
     def _start_failure(self, w: _Worker, reason: str) -> None:
@@ -1949,7 +1953,13 @@ class Pool:
                         w, f"the worker exited with status {w.exit_status} at start"
                     )
         elif kind == "gone":
-            self._worker_gone(w)
+            if w.awaiting_fatal:
+                # Its 'fatal' can trail this report too (the socket's I/O thread lags under
+                # load): gone now would close its socket unread. Its socket stays open and
+                # read until _await_fatal is done.
+                w.gone_deferred = True
+            else:
+                self._worker_gone(w)
         elif kind == "cleaned":
             pending, w.pending = w.pending, None
             if pending is not None:
