@@ -547,3 +547,32 @@ def test_unhashable_outcome_kills_the_worker_not_the_supervisor(
     assert sup.read(timeout=25) == {"closed": True}
     assert sup.proc.wait(timeout=10) == 0
     assert marked(marker) == []
+
+
+def test_a_worker_that_says_a_tool_runs_elsewhere_than_the_others_say_is_refused() -> None:
+    """Where a tool's body runs decides whether calls may wait behind it (only behind a body
+    in a thread, which leaves the worker's loop free to withdraw them). A worker whose hello
+    says otherwise than the workers before it breaks the protocol, and changes nothing: calls
+    never queue behind an async body on its word. (White box: the pool's message handler, fed
+    hellos directly.)"""
+    from pool_support import FakeWorkerSocket
+    from toolpool.protocol import PROTOCOL_VERSION, Hello, ProtocolViolation
+    from toolpool.supervisor._pool import WorkerState, _Worker
+
+    pool = toolpool.Pool("toolpool.testing.examples:registry", workers=2)
+    pool._state = "running"
+    first, second = (
+        _Worker(wid, "ipc://fake", FakeWorkerSocket(), b"s" * 32)  # type: ignore[arg-type]
+        for wid in (1, 2)
+    )
+    for w in (first, second):
+        pool._workers[w.wid] = w
+    tools = [{"name": "wait", "runs_in_thread": False}, {"name": "nap", "runs_in_thread": True}]
+    pool._on_message(first, Hello(PROTOCOL_VERSION, 101, b"s" * 32, tools, {}))
+    assert first.state is WorkerState.READY
+    assert pool._threaded == {"nap"}
+    lying = [{"name": "wait", "runs_in_thread": True}, {"name": "nap", "runs_in_thread": True}]
+    with pytest.raises(ProtocolViolation, match="'wait' differs from the other workers'"):
+        pool._on_message(second, Hello(PROTOCOL_VERSION, 102, b"s" * 32, lying, {}))
+    assert pool._threaded == {"nap"}
+    assert second.state is WorkerState.SPAWNING

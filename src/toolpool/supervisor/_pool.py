@@ -1786,15 +1786,21 @@ class Pool:
                 # report is checked against it ("spawned").
                 w.pid = msg.pid
             catalog: dict[str, dict[str, Any]] = {}
+            threaded: set[str] = set()
             for entry in msg.tools:
                 desc = dict(entry)
                 if desc.pop("runs_in_thread", False):
-                    self._threaded.add(desc["name"])
+                    threaded.add(desc["name"])
                 catalog[desc["name"]] = desc
             for name, desc in catalog.items():
                 known = self._catalog.get(name)
-                if known is not None and known != desc:
+                # Where its body runs decides whether calls may queue behind it: a worker
+                # that says otherwise than the others is refused, and changes nothing.
+                if known is not None and (
+                    known != desc or (name in threaded) != (name in self._threaded)
+                ):
                     raise ProtocolViolation(f"tool {name!r} differs from the other workers'")
+            self._threaded |= threaded
             self._catalog.update(catalog)
             w.catalog = catalog
             if self._worker_layers is None:
@@ -1980,7 +1986,7 @@ class Pool:
         says so (WorkerStartError on every new call).
         """
         for w in list(self._workers.values()):
-            if w.pid is not None:
+            if w.pid is not None and not w.gone_deferred:  # (that one's tree is known gone)
                 await _wait_pid_gone(w.pid)
             w.violation = w.violation or "the pool's reaper process died"
             self._worker_gone(w)
