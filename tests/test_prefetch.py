@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 import toolpool
@@ -609,6 +610,43 @@ async def test_a_leftover_the_worker_hides_is_killed_before_the_call_queued_behi
         assert left.ok, left
         assert left.leftovers_killed == 2  # the shell and its sleep
         assert seen.value == 0  # gone before the queued call was taken up
+
+
+async def test_a_forced_kill_of_a_call_not_yet_taken_up_takes_no_call_queued_behind() -> None:
+    """The same for a forced call that is first in line but not taken up yet (the worker has
+    not read it): the calls behind it must be taken back before the kill too. Here the
+    workers are stopped while the pool decides, and the reaper until the call behind runs:
+    a kill decided at once would land on it, uncancelled, after the worker ran the forced
+    call and took up the next."""
+    async with Readiness.open() as ready, running_pool(workers=1, warm_spares=1) as pool:
+        workers = pool.worker_pids()
+        reaper = pool.reaper_pid
+        assert reaper is not None
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            forced = pool.submit("echo", {"value": "forced"})
+            after = pool.submit("ready_sync_nap", {"ready": ready.path, "seconds": 0.3})
+            assert pool.statistics().queued == 1  # behind the forced call, in its worker
+            os.kill(reaper, signal.SIGSTOP)
+            try:
+                forced.cancel(force=True)
+                for _ in range(50):  # the pool's ladder task decides
+                    await anyio.lowlevel.checkpoint()
+            finally:
+                for pid in workers:
+                    os.kill(pid, signal.SIGCONT)
+            with anyio.fail_after(20):
+                await ready.started()  # the call behind runs: on that worker, or the spare
+        finally:
+            os.kill(reaper, signal.SIGCONT)
+        with anyio.fail_after(20):
+            result = await after
+            first = await forced
+        assert result.ok, result
+        assert result.cause is None
+        assert result.rung is Rung.NONE
+        assert first.outcome in (Outcome.OK, Outcome.KILLED, Outcome.ABORTED_BEFORE_DISPATCH)
 
 
 async def test_a_forced_kill_that_lands_late_takes_no_call_queued_behind() -> None:

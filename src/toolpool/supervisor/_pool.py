@@ -1277,19 +1277,31 @@ class Pool:
         """Before a signal to w's tree for call, which w runs: take back the calls waiting
         behind it, and wait (up to term_grace: w's loop may be held up) until they are
         withdrawn, or w is done with call (it took one up), or call settled. Else call
-        could end just before the signal lands, and the call w took up next die of it."""
-        if not self._behind(w, call) or self._progress(w, call) != 0:
+        could end just before the signal lands, and the call w took up next die of it. Also
+        while w has not taken call up yet: it may take it up, end it and take up the next in
+        the moment before the signal lands."""
+        if not self._exposed(w, call) or self._progress(w, call) > 0:
             return
         self._recall_behind(w, call)
         with anyio.move_on_after(self.term_grace):
             while (
                 call._result is None
                 and not w.gone
-                and self._behind(w, call)
-                and self._progress(w, call) == 0
+                and self._exposed(w, call)
+                and self._progress(w, call) <= 0
             ):
                 with anyio.move_on_after(0.005):
                     await call.wait()
+
+    def _exposed(self, w: _Worker, call: Call) -> list[Call]:
+        """The calls behind call in w that a signal for call could take instead. Before w
+        took call up, only uncancelled ones count: there is no body of call to stop yet, and
+        waiting for cancelled ones (which a worker that does not answer keeps) would only
+        delay the escalation against call."""
+        behind = self._behind(w, call)
+        if behind and self._progress(w, call) < 0:
+            behind = [c for c in behind if c._cause is None]
+        return behind
 
     async def _await_sent_result(self, w: _Worker, call: Call) -> None:
         """If w is done with call, its result is on its way: give it term_grace to arrive
