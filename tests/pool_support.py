@@ -405,3 +405,22 @@ def assert_pool_closed(pool: toolpool.Pool, procs: list[psutil.Process], reaper_
     # (stats.queued is checked in test_statistics_queued_excludes_settled_calls: see there.)
     assert stats.in_flight == 0
     assert sum(stats.settled.values()) == stats.submitted
+
+
+def int_keyed() -> dict[int, str]:
+    """A result msgpack packs but the wire refuses (a map key that is not a string)."""
+    return {1: "one"}
+
+
+def unserializable_context(execution: ToolExecution) -> str:
+    """Attach what cannot be carried in a result's context, and return normally."""
+    looped: list[Any] = []
+    looped.append(looped)
+    execution.attach("int_keyed", {1: 2})
+    execution.attach("looped", looped)
+    execution.attach("fine", [1, "two"])
+    return "returned"
+
+
+registry.add_tool(int_keyed)
+registry.add_tool(unserializable_context)

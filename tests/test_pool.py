@@ -159,6 +159,30 @@ async def test_a_call_served_before_the_reaper_reported_its_worker_names_it(
 # =========================================================================== C3 outcomes
 
 
+async def test_a_result_or_context_the_wire_cannot_carry_is_an_error_not_a_dead_worker() -> None:
+    """A result with a map key msgpack packs but the protocol refuses (an int), or a context
+    entry that cannot be carried at all: before, the worker sent them, the supervisor took it
+    for a protocol violator and killed it (worker_lost). Each call, alone or queued up in the
+    worker (its lane), settles with its own outcome, and the worker serves on."""
+    async with running_pool(workers=1) as pool:
+        (pid,) = pool.worker_pids()
+        calls = [pool.submit("int_keyed") for _ in range(3)]
+        calls.append(pool.submit("unserializable_context"))
+        with anyio.fail_after(20):
+            results = [await call for call in calls]
+        for result in results[:3]:
+            assert result.outcome is Outcome.ERROR, result
+            assert result.error_name == "UnserializableResult"
+        noted = results[3]
+        assert noted.ok, noted
+        assert noted.value == "returned"
+        assert noted.context["fine"] == [1, "two"]
+        assert noted.context["int_keyed"].startswith("<not serializable: ")
+        assert noted.context["looped"].startswith("<not serializable: ")
+        assert pool.worker_pids() == [pid]
+        assert pool.statistics().workers_replaced == 0
+
+
 async def test_outcome_ok() -> None:
     async with running_pool(EXAMPLES) as pool:
         result = await pool.call("echo", {"value": {"a": [1, 2, "three"]}})

@@ -271,6 +271,56 @@ async def test_error_when_the_result_cannot_be_snapshotted() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("value", [{1: "one"}, {"nested": {None: 1}}, [{2.5: "x"}]])
+async def test_error_when_the_result_has_a_map_key_the_wire_refuses(value: Any) -> None:
+    """msgpack packs any hashable map key; the protocol carries only str and bytes keys. A
+    result the supervisor could not decode would cost the worker its life (quarantined as a
+    protocol violator) and the call its result: it is an ordinary error instead (C2.4)."""
+    registry = Registry()
+
+    @registry.tool
+    def odd() -> Any:
+        return value
+
+    result = await registry.execute("odd", {}, signal=CancelController().signal)
+    assert result.outcome is Outcome.ERROR
+    assert result.error_name == "UnserializableResult"
+    assert result.body_started is True
+
+
+@pytest.mark.anyio
+async def test_context_that_cannot_be_carried_is_noted_never_raised() -> None:
+    """What a stage attaches travels with the result. An entry that cannot be carried (a map
+    key the wire refuses, a value containing itself, a repr that raises) is replaced by a note;
+    the others stay, and the call's outcome is its own (C2.6: never a crash of the worker)."""
+    registry = Registry()
+
+    class BadRepr:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    @registry.tool
+    def attach_all(execution: ToolExecution) -> str:
+        looped: list[Any] = []
+        looped.append(looped)
+        execution.attach("int_keyed", {1: 2})
+        execution.attach("looped", looped)
+        execution.attach("bad_repr", BadRepr())
+        execution.attach("fine", [1, "two"])
+        execution.attach("odd_object", object())  # carried as its repr, as before
+        return "returned"
+
+    result = await registry.execute("attach_all", {}, signal=CancelController().signal)
+    assert result.outcome is Outcome.OK, result
+    assert result.value == "returned"
+    context = dict(result.context)
+    assert context["fine"] == [1, "two"]
+    assert context["odd_object"].startswith("<object object at ")
+    for key in ("int_keyed", "looped", "bad_repr"):
+        assert context[key].startswith("<not serializable: "), (key, context[key])
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize(
     ("stage", "expected"),
     [

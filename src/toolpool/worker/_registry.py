@@ -822,9 +822,12 @@ def _reason(state: _DispatchState, exc: BaseException | None = None) -> CancelCa
     return None
 
 
-def _snapshot(value: Any) -> tuple[Any, bytes]:
+def _snapshot(value: Any, *, wire: bool = True) -> tuple[Any, bytes]:
+    """A detached copy of ``value`` and its msgpack bytes. ``wire``: only what the other
+    side of the wire decodes (map keys str or bytes, as protocol._unpack demands); a value
+    that passes here and fails there would cost the worker its life, not the call a result."""
     packed = msgpack.packb(value, use_bin_type=True)
-    return msgpack.unpackb(packed, raw=False, strict_map_key=False), packed
+    return msgpack.unpackb(packed, raw=False, strict_map_key=wire), packed
 
 
 class DecodedArgs(dict[str, Any]):
@@ -842,17 +845,35 @@ def _freeze_args(args: Mapping[str, Any]) -> Mapping[str, Any]:
     if type(args) is DecodedArgs:
         return MappingProxyType(args)
     try:
-        copied, _ = _snapshot(dict(args))
+        copied, _ = _snapshot(dict(args), wire=False)  # (in-process; the wire checks its own)
     except Exception as exc:
         raise TypeError(f"arguments are not serializable: {_text(exc)}") from None
     return MappingProxyType(copied)
 
 
 def _freeze_context(context: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A detached, wire-safe copy of what stages attached (anything msgpack cannot carry as
+    its ``repr``). Never raises (C2.6): an entry that cannot be carried at all (a map key
+    msgpack or the wire refuses, a value that contains itself, a ``repr`` that raises) is
+    replaced by a note saying so."""
     if not context:
         return MappingProxyType({})
-    packed = msgpack.packb(dict(context), use_bin_type=True, default=repr)
-    return MappingProxyType(msgpack.unpackb(packed, raw=False, strict_map_key=False))
+    try:
+        return MappingProxyType(_carry(dict(context)))
+    except Exception:
+        pass
+    frozen: dict[str, Any] = {}
+    for key, value in context.items():  # str keys: attach() checks
+        try:
+            frozen[key] = _carry(value)
+        except Exception as exc:
+            frozen[key] = f"<not serializable: {type(exc).__name__}>"
+    return MappingProxyType(frozen)
+
+
+def _carry(value: Any) -> Any:
+    packed = msgpack.packb(value, use_bin_type=True, default=repr)
+    return msgpack.unpackb(packed, raw=False, strict_map_key=True)
 
 
 def _ok(run: _Run, value: Any, *, started: bool) -> ToolResult:
