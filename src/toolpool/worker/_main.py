@@ -594,10 +594,11 @@ class _Server:
 
     def _record_invoked(self, call_id: int) -> None:
         """The body is about to be invoked: the ledger says so first. (In the lane, that is
-        all: 'started' is for the loop to say, _tick.)"""
-        self.started_at = time.monotonic()
+        all: 'started' is for the loop to say, _tick, once started_at is set: so set it only
+        after the mark, or a 'started' could go out for a body the ledger never saw invoked.)"""
         if self.ledger is not None:
             write_invoked(self.ledger, call_id)
+        self.started_at = time.monotonic()
 
     def _tick(self) -> None:
         """On the loop, while the lane runs: a body that takes time gets its 'started' said,
