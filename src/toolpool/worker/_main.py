@@ -468,8 +468,11 @@ class _Server:
         return msg, controller
 
     def _call_done(self, task: Any) -> None:
-        """A call's task ended: a failure of the worker itself stops it, loudly."""
-        self._task = None
+        """A call's task ended: a failure of the worker itself stops it, loudly. (The task
+        ends after it took up the next call, whose task it may have just stored: keep that
+        one's reference, the only strong one the loop does not hold.)"""
+        if self._task is task:
+            self._task = None
         if not task.cancelled() and task.exception() is not None:
             self._fail(task.exception())
 
