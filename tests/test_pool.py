@@ -156,6 +156,33 @@ async def test_a_call_served_before_the_reaper_reported_its_worker_names_it(
         assert pool.worker_start_methods() == {result.value: "fork"}
 
 
+async def test_a_call_settled_before_its_timeout_is_not_kept_until_then() -> None:
+    """A batch of calls with a long timeout that settle at once: once nobody holds them,
+    neither the calls nor their results may stay alive until their deadlines (an hour here)."""
+    import gc
+
+    async with running_pool(EXAMPLES, workers=1) as pool:
+        calls = [pool.submit("echo", {"value": "x" * 1000}, timeout=3600) for _ in range(300)]
+        ids = {call.id for call in calls}
+        with anyio.fail_after(20):
+            for call in calls:
+                assert (await call).ok
+        del calls, call
+        gc.collect()
+        kept = [o for o in gc.get_objects() if isinstance(o, toolpool.Call) and o.id in ids]
+        assert kept == []
+        # Nor do their deadlines pile up: the pool drops those of settled calls as it goes.
+        for _ in range(5):
+            with anyio.fail_after(20):
+                for call in [pool.submit("noop", timeout=3600) for _ in range(600)]:
+                    await call
+        assert len(pool._deadlines) < 1024 + 3 * 600  # of 3,300 set, all settled
+        # The pool still times out a call that runs past its deadline.
+        with anyio.fail_after(20):
+            late = await pool.call("nap", {"seconds": 30}, timeout=0.2)
+        assert late.outcome is Outcome.TIMEOUT, late
+
+
 # =========================================================================== C3 outcomes
 
 

@@ -548,7 +548,9 @@ class Pool:
         self._threaded: set[str] = set()  # tools whose bodies run in a thread (see _pick)
         self._wids = itertools.count(1)
         self._call_ids = itertools.count(1)
-        self._deadlines: list[tuple[float, int, Call]] = []
+        # (when, call id): by id, so that a call settled before its deadline (and its result)
+        # is not kept alive until then.
+        self._deadlines: list[tuple[float, int]] = []
         self._deadline_wake: anyio.Event | None = None
         self._start_failures = 0
         self._broken: WorkerStartError | None = None
@@ -1447,7 +1449,11 @@ class Pool:
     def _add_deadline(self, call: Call, when: float) -> None:
         call._deadline = when
         first = not self._deadlines or when < self._deadlines[0][0]
-        heapq.heappush(self._deadlines, (when, call.id, call))
+        if len(self._deadlines) > 2 * len(self._calls) + 1024:
+            # Mostly calls settled long before their deadline: keep only the live ones.
+            self._deadlines = [entry for entry in self._deadlines if entry[1] in self._calls]
+            heapq.heapify(self._deadlines)
+        heapq.heappush(self._deadlines, (when, call.id))
         if first and self._deadline_wake is not None:
             self._deadline_wake.set()
 
@@ -1457,8 +1463,9 @@ class Pool:
             delay = math.inf
             now = time.monotonic()
             while self._deadlines and self._deadlines[0][0] <= now:
-                _, _, call = heapq.heappop(self._deadlines)
-                if call._result is None:
+                _, call_id = heapq.heappop(self._deadlines)
+                call = self._calls.get(call_id)  # settled calls are no longer there
+                if call is not None and call._result is None:
                     self._cancel_call(call, _TIMEOUT, force=False)
             if self._deadlines:
                 delay = self._deadlines[0][0] - now
