@@ -255,27 +255,15 @@ async def test_error_for_an_unknown_tool() -> None:
 
 
 @pytest.mark.anyio
-async def test_error_when_the_result_cannot_be_snapshotted() -> None:
-    registry = Registry()
-
-    @registry.tool
-    def odd() -> object:
-        return object()
-
-    result = await registry.execute("odd", {}, signal=CancelController().signal)
-    assert result.outcome is Outcome.ERROR
-    assert result.error_name == "UnserializableResult"
-    assert result.error is not None
-    assert "not serializable" in result.error
-    assert result.body_started is True
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("value", [{1: "one"}, {"nested": {None: 1}}, [{2.5: "x"}]])
-async def test_error_when_the_result_has_a_map_key_the_wire_refuses(value: Any) -> None:
-    """msgpack packs any hashable map key; the protocol carries only str and bytes keys. A
-    result the supervisor could not decode would cost the worker its life (quarantined as a
-    protocol violator) and the call its result: it is an ordinary error instead (C2.4)."""
+@pytest.mark.parametrize(
+    "value",
+    [object(), {1: "one"}, {"nested": {None: 1}}, [{2.5: "x"}]],
+    ids=["object", "int-key", "nested-none-key", "float-key-in-list"],
+)
+async def test_error_when_the_result_cannot_be_snapshotted(value: Any) -> None:
+    """Also a value msgpack packs but the protocol cannot carry (a map key other than str or
+    bytes): the supervisor would take it for a protocol violation and kill the worker, so it
+    is an ordinary error here instead (C2.4)."""
     registry = Registry()
 
     @registry.tool
@@ -285,6 +273,8 @@ async def test_error_when_the_result_has_a_map_key_the_wire_refuses(value: Any) 
     result = await registry.execute("odd", {}, signal=CancelController().signal)
     assert result.outcome is Outcome.ERROR
     assert result.error_name == "UnserializableResult"
+    assert result.error is not None
+    assert "not serializable" in result.error
     assert result.body_started is True
 
 

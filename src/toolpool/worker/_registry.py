@@ -822,11 +822,14 @@ def _reason(state: _DispatchState, exc: BaseException | None = None) -> CancelCa
     return None
 
 
-def _snapshot(value: Any, *, wire: bool = True) -> tuple[Any, bytes]:
+def _snapshot(
+    value: Any, *, wire: bool = True, default: Callable[[Any], Any] | None = None
+) -> tuple[Any, bytes]:
     """A detached copy of ``value`` and its msgpack bytes. ``wire``: only what the other
     side of the wire decodes (map keys str or bytes, as protocol._unpack demands); a value
-    that passes here and fails there would cost the worker its life, not the call a result."""
-    packed = msgpack.packb(value, use_bin_type=True)
+    that passes here and fails there would cost the worker its life, not the call a result.
+    ``default``: what stands for an object msgpack cannot pack (as in ``msgpack.packb``)."""
+    packed = msgpack.packb(value, use_bin_type=True, default=default)
     return msgpack.unpackb(packed, raw=False, strict_map_key=wire), packed
 
 
@@ -859,21 +862,16 @@ def _freeze_context(context: Mapping[str, Any]) -> Mapping[str, Any]:
     if not context:
         return MappingProxyType({})
     try:
-        return MappingProxyType(_carry(dict(context)))
+        return MappingProxyType(_snapshot(dict(context), default=repr)[0])
     except Exception:
         pass
     frozen: dict[str, Any] = {}
     for key, value in context.items():  # str keys: attach() checks
         try:
-            frozen[key] = _carry(value)
+            frozen[key] = _snapshot(value, default=repr)[0]
         except Exception as exc:
             frozen[key] = f"<not serializable: {type(exc).__name__}>"
     return MappingProxyType(frozen)
-
-
-def _carry(value: Any) -> Any:
-    packed = msgpack.packb(value, use_bin_type=True, default=repr)
-    return msgpack.unpackb(packed, raw=False, strict_map_key=True)
 
 
 def _ok(run: _Run, value: Any, *, started: bool) -> ToolResult:
