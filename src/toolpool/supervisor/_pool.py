@@ -1282,26 +1282,27 @@ class Pool:
         could end just before the signal lands, and the call w took up next die of it. Also
         while w has not taken call up yet: it may take it up, end it and take up the next in
         the moment before the signal lands."""
-        if not self._exposed(w, call) or self._progress(w, call) > 0:
+        if not self._exposed(w, call):
             return
         self._recall_behind(w, call)
         with anyio.move_on_after(self.term_grace):
-            while (
-                call._result is None
-                and not w.gone
-                and self._exposed(w, call)
-                and self._progress(w, call) <= 0
-            ):
+            while call._result is None and not w.gone and self._exposed(w, call):
                 with anyio.move_on_after(0.005):
                     await call.wait()
 
     def _exposed(self, w: _Worker, call: Call) -> list[Call]:
-        """The calls behind call in w that a signal for call could take instead. Before w
-        took call up, only uncancelled ones count: there is no body of call to stop yet, and
-        waiting for cancelled ones (which a worker that does not answer keeps) would only
-        delay the escalation against call."""
+        """The calls behind call in w that a signal for call could take instead: none once
+        w is done with call (it took up one sent after it). Before w took call up, only
+        uncancelled ones count: there is no body of call to stop yet, and waiting for
+        cancelled ones (which a worker that does not answer keeps) would only delay the
+        escalation against call."""
         behind = self._behind(w, call)
-        if behind and self._progress(w, call) < 0:
+        if not behind:
+            return behind
+        progress = self._progress(w, call)  # (one look at the ledger)
+        if progress > 0:
+            return []
+        if progress < 0:
             behind = [c for c in behind if c._cause is None]
         return behind
 
