@@ -271,7 +271,7 @@ async def test_a_stolen_secret_does_not_make_another_process_the_worker(
 ) -> None:
     """C7: the hello must come from the worker process itself (its socket peer's credentials),
     not merely carry its secret and claim its pid."""
-    from toolpool.supervisor._reaper import ReaperClient
+    from toolpool.reaper import ReaperClient
 
     real_spawn = ReaperClient.spawn
     impostors: list[int] = []

@@ -1065,7 +1065,7 @@ async def test_a_workers_fatal_read_only_after_its_tree_is_reported_gone_still_c
 async def test_reaper_client_close_while_its_event_pump_is_woken() -> None:
     # The pool's own pieces, driven directly (a last resort: no public hook reaches this
     # timing). The pool does the same: ReaperClient.run() in its task group, then aclose().
-    from toolpool.supervisor._reaper import ReaperClient
+    from toolpool.reaper import ReaperClient
 
     for attempt in range(6):
         events: list[dict[str, Any]] = []

@@ -125,9 +125,9 @@ async def test_a_forked_worker_looks_like_a_spawned_one_from_inside(profile: str
 def _load_reaper_main() -> Any:
     import importlib.util
 
-    from toolpool.supervisor import _reaper
+    from toolpool.reaper import SCRIPT
 
-    spec = importlib.util.spec_from_file_location("_test_reaper_main", _reaper._SCRIPT)
+    spec = importlib.util.spec_from_file_location("_test_reaper_main", SCRIPT)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)

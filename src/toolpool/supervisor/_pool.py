@@ -75,10 +75,10 @@ from ..protocol import (
     Result as ResultMessage,
 )
 from ..protocol._ledger import LEDGER_SIZE, read_ledger, read_marks
+from ..reaper import ReaperClient
 from ..sandbox import LAYERS, Profile, parse_size
 from ..sandbox._cgroups import CgroupSet, others_listed
 from ..sandbox._profile import _human as _human_size
-from ._reaper import ReaperClient
 from ._results import (
     ContainmentReport,
     Layer,

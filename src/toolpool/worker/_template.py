@@ -1,6 +1,6 @@
 """The worker's side of the pre-forked template (``Pool(start_method="fork")``).
 
-The pool's reaper (``supervisor/_reaper_main.py``) imports this module once, which imports what
+The pool's reaper (``reaper/_main.py``) imports this module once, which imports what
 every worker needs before it can serve (toolpool's worker, anyio and its asyncio backend,
 msgpack, the zmq *module*), and then forks each new worker from itself: the reaper stays the
 parent of every worker. Nothing here creates a zmq context, starts a thread or imports the

@@ -1,4 +1,4 @@
-"""The supervisor's side of the reaper process (see ``_reaper_main.py``).
+"""The supervisor's side of the reaper process (see ``_main.py``).
 
 Launching and killing processes is split out of the pool: the pool asks, the reaper does, and
 reports back events. One reaper serves one pool.
@@ -19,9 +19,10 @@ import anyio
 
 from ..core import WorkerStartError
 
-__all__ = ("ReaperClient",)
+__all__ = ("REAPER_ENV", "SCRIPT", "ReaperClient", "reaper_env")
 
-_SCRIPT = Path(__file__).with_name("_reaper_main.py")
+#: The reaper process's script, run by path (``python -P SCRIPT SUPERVISOR_PID FD``).
+SCRIPT: Final = Path(__file__).with_name("_main.py")
 
 Event = dict[str, Any]
 
@@ -55,7 +56,7 @@ class ReaperClient:
         try:
             # A plain, fast fork+exec (no preexec_fn: zmq threads exist); not worth a thread.
             self._proc = subprocess.Popen(  # noqa: ASYNC220
-                [sys.executable, "-P", str(_SCRIPT), str(os.getpid()), str(theirs.fileno())],
+                [sys.executable, "-P", str(SCRIPT), str(os.getpid()), str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,

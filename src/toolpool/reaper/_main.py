@@ -1,6 +1,6 @@
 """The pool's reaper: a small trusted process between the supervisor and its workers.
 
-Run as a script (``python -P _reaper_main.py SUPERVISOR_PID FD``), stdlib plus psutil only, so it
+Run as a script (``python -P reaper/_main.py SUPERVISOR_PID FD``), stdlib plus psutil only, so it
 starts fast and never imports toolpool or any tool. It is a child subreaper: every worker is
 its child, and whatever a dead worker leaves behind (children, setsid'd daemons) is re-parented
 to it instead of to PID 1. It
