@@ -1248,8 +1248,10 @@ async def _tp_add_worker(sz: dict[str, Any], method: str) -> list[dict[str, Any]
         for _ in range(sz["cold_repeats"]):
             gc.collect()
             t0 = time.perf_counter()
-            w = pool._spawn()
-            await w.hello_event.wait()
+            w = pool._core._spawn()
+            pool._pump()
+            while not w.answered:
+                await pool._wait_changed()
             runs.append({"add_s": time.perf_counter() - t0})
         methods = sorted(set(pool.worker_start_methods().values()))
         if methods != [method]:

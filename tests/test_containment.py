@@ -20,6 +20,7 @@ import pytest
 
 import toolpool
 from toolpool.sandbox import Profile, parse_duration, parse_size
+from toolpool.supervisor._containment import warn_inactive_layers
 from toolpool.testing.hostile import THREATS, run_threat
 
 HOSTILE = "toolpool.testing.hostile:registry"
@@ -307,7 +308,10 @@ async def test_another_uid_alone_blocks_signals_and_cgroup_escape() -> None:
 @needs_root
 async def test_a_worker_cannot_reach_another_workers_socket_or_files() -> None:
     async with toolpool.Pool(PROBES, workers=2, profile=PER_WORKER_UID) as pool:
-        endpoints = {str(w.pid): w.endpoint.removeprefix("ipc://") for w in pool._workers.values()}
+        endpoints = {
+            str(w.pid): pool._io[w.wid].endpoint.removeprefix("ipc://")
+            for w in pool._core.live_workers()
+        }
         assert len(endpoints) == 2
         probe = await pool.call("connect_unix_others", {"paths": endpoints})
         assert probe.ok, probe
@@ -540,13 +544,13 @@ def test_a_requested_layer_that_is_not_active_is_logged(
     """What the first worker reports is checked against what the profile asked for."""
     profile = Profile.default().with_limits(user="per-worker", private_ipc=True)
     pool = toolpool.Pool(HOSTILE, workers=1, profile=profile)  # never started
-    pool._worker_layers = {
+    pool._core.worker_layers = {
         "uid": [False, "changing uid needs root; running as uid 1000"],
         "ipcns": [True, "own IPC namespace"],
         "rlimits": [True, "core=0"],
     }
     with caplog.at_level("WARNING", logger="toolpool"):
-        pool._warn_inactive_layers()
+        warn_inactive_layers(pool.profile, pool.containment())
     assert "asks for uid, which is not active: changing uid needs root" in caplog.text
     assert "ipcns" not in caplog.text
     assert "landlock" not in caplog.text  # not asked for

@@ -553,26 +553,29 @@ def test_a_worker_that_says_a_tool_runs_elsewhere_than_the_others_say_is_refused
     """Where a tool's body runs decides whether calls may wait behind it (only behind a body
     in a thread, which leaves the worker's loop free to withdraw them). A worker whose hello
     says otherwise than the workers before it breaks the protocol, and changes nothing: calls
-    never queue behind an async body on its word. (White box: the pool's message handler, fed
-    hellos directly.)"""
-    from pool_support import FakeWorkerSocket
-    from toolpool.protocol import PROTOCOL_VERSION, Hello, ProtocolViolation
-    from toolpool.supervisor._pool import WorkerState, _Worker
+    never queue behind an async body on its word. (White box: the pool's core, fed hellos
+    directly.)"""
+    from core_support import FakeProbe
+    from toolpool.protocol import PROTOCOL_VERSION, Hello
+    from toolpool.supervisor._core import PoolCore
+    from toolpool.supervisor._records import WorkerRecord
+    from toolpool.supervisor._results import WorkerState
+    from toolpool.supervisor._state import CoreConfig
 
-    pool = toolpool.Pool("toolpool.testing.examples:registry", workers=2)
-    pool._state = "running"
-    first, second = (
-        _Worker(wid, "ipc://fake", FakeWorkerSocket(), b"s" * 32)  # type: ignore[arg-type]
-        for wid in (1, 2)
-    )
+    core = PoolCore(CoreConfig(tools_spec="x:y", size=2), FakeProbe(), lambda: b"s" * 32)
+    core.starting = False
+    first, second = (WorkerRecord(wid, b"s" * 32) for wid in (1, 2))
     for w in (first, second):
-        pool._workers[w.wid] = w
+        core.workers[w.wid] = w
     tools = [{"name": "wait", "runs_in_thread": False}, {"name": "nap", "runs_in_thread": True}]
-    pool._on_message(first, Hello(PROTOCOL_VERSION, 101, b"s" * 32, tools, {}))
+    core.message(1, Hello(PROTOCOL_VERSION, 101, b"s" * 32, tools, {}), 1.0)
     assert first.state is WorkerState.READY
-    assert pool._threaded == {"nap"}
+    assert core.threaded == {"nap"}
     lying = [{"name": "wait", "runs_in_thread": True}, {"name": "nap", "runs_in_thread": True}]
-    with pytest.raises(ProtocolViolation, match="'wait' differs from the other workers'"):
-        pool._on_message(second, Hello(PROTOCOL_VERSION, 102, b"s" * 32, lying, {}))
-    assert pool._threaded == {"nap"}
-    assert second.state is WorkerState.SPAWNING
+    core.message(2, Hello(PROTOCOL_VERSION, 102, b"s" * 32, lying, {}), 1.0)
+    assert second.violation is not None
+    assert "'wait' differs from the other workers'" in second.violation
+    assert core.threaded == {"nap"}
+    assert second.catalog == {}
+    assert second.state is WorkerState.QUARANTINED
+    assert second not in core.ready

@@ -14,7 +14,7 @@ import anyio.to_thread
 import pytest
 
 import toolpool
-import toolpool.supervisor._pool as pool_module
+import toolpool.supervisor._dispatch as dispatch_module
 from pool_support import running_pool
 from toolpool import CancelController, Outcome
 from toolpool.worker._threads import body_thread_context, enter_body_thread
@@ -30,7 +30,7 @@ def anyio_backend() -> str:
 @pytest.fixture(autouse=True)
 def queue_behind_any_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """Calls are queued behind a call of any age here (see test_prefetch)."""
-    monkeypatch.setattr(pool_module, "QUEUE_BEHIND_FOR", 3600.0)
+    monkeypatch.setattr(dispatch_module, "QUEUE_BEHIND_FOR", 3600.0)
 
 
 async def queued_up(pool: toolpool.Pool, tool: str, args: dict[str, Any]) -> Any:

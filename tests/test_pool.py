@@ -83,14 +83,14 @@ def hold_spawn_reports(monkeypatch: pytest.MonkeyPatch, until: Any) -> dict[int,
     held: dict[int, anyio.Event] = {}
 
     def late(pool: Any, event: dict[str, Any]) -> None:
-        w = pool._workers.get(int(event.get("wid", 0)))
+        w = pool._core.workers.get(int(event.get("wid", 0)))
         if event.get("ev") != "spawned" or w is None:
             handle(pool, event)
             return
         handled = held[w.wid] = anyio.Event()
 
         async def later() -> None:
-            await until(w)
+            await until(pool, w)
             handle(pool, event)
             handled.set()
 
@@ -106,8 +106,9 @@ async def test_start_returns_once_the_reaper_reported_every_worker(
     """start() returns only when every worker said hello and the reaper said which process it
     is and how it started it, in whichever order they came."""
 
-    async def some_turns_after_hello(w: Any) -> None:
-        await w.hello_event.wait()
+    async def some_turns_after_hello(pool: Any, w: Any) -> None:
+        while not w.answered:
+            await pool._wait_changed()
         for _ in range(20):
             await anyio.lowlevel.checkpoint()
 
@@ -129,7 +130,7 @@ async def test_a_call_served_before_the_reaper_reported_its_worker_names_it(
     released = anyio.Event()
     replacing = False
 
-    async def until_released(w: Any) -> None:
+    async def until_released(pool: Any, w: Any) -> None:
         if replacing:  # not the first worker's: the replacement's
             await released.wait()
 
@@ -176,7 +177,7 @@ async def test_a_call_settled_before_its_timeout_is_not_kept_until_then() -> Non
             with anyio.fail_after(20):
                 for call in [pool.submit("noop", timeout=3600) for _ in range(600)]:
                     await call
-        assert len(pool._deadlines) < 1024 + 3 * 600  # of 3,300 set, all settled
+        assert len(pool._core.timers) < 1024 + 3 * 600  # of 3,300 set, all settled
         # The pool still times out a call that runs past its deadline.
         with anyio.fail_after(20):
             late = await pool.call("nap", {"seconds": 30}, timeout=0.2)
@@ -1028,29 +1029,30 @@ async def test_a_workers_fatal_read_only_after_its_tree_is_reported_gone_still_c
     the socket stays open and read until the fatal is in, or the wait for it ends."""
     import toolpool.supervisor._pool as pool_module
 
-    drain, on_event = pool_module.Pool._drain, pool_module.Pool._on_reaper_event
+    read, on_event = pool_module.Pool._read, pool_module.Pool._on_reaper_event
     gone_reported: set[int] = set()
 
-    def lagging_drain(pool: Any, w: Any) -> None:
-        if w.wid in gone_reported:
-            drain(pool, w)
-        elif not w.sock.closed:
+    def lagging_read(pool: Any, io: Any) -> None:
+        if io.wid in gone_reported:
+            read(pool, io)
+        elif not io.sock.closed:
             # Nothing has arrived yet, as far as the supervisor can tell. (Looking consumes
             # the socket's notification, so its reader is not called again and again.)
-            pool_module.readable(w.sock)
+            pool_module.readable(io.sock)
 
     def reaper_event(pool: Any, event: dict[str, Any]) -> None:
         on_event(pool, event)
         if event.get("ev") == "gone":
             gone_reported.add(int(event["wid"]))
-            w = pool._workers.get(int(event["wid"]))
-            if w is not None:
-                drain(pool, w)  # what arrived meanwhile is read (the reader's next turn)
+            io = pool._io.get(int(event["wid"]))
+            if io is not None:
+                pool._on_readable(io)  # what arrived meanwhile is read (the reader's next turn)
 
-    async def no_disconnect_watch(pool: Any, w: Any) -> None:
-        await w.gone_event.wait()  # (its drain would read the fatal before the gone report)
+    async def no_disconnect_watch(pool: Any, io: Any) -> None:
+        with pool_module._scope(io):  # (its read would take the fatal before the gone report)
+            await anyio.sleep_forever()
 
-    monkeypatch.setattr(pool_module.Pool, "_drain", lagging_drain)
+    monkeypatch.setattr(pool_module.Pool, "_read", lagging_read)
     monkeypatch.setattr(pool_module.Pool, "_on_reaper_event", reaper_event)
     monkeypatch.setattr(pool_module.Pool, "_watch_disconnect", no_disconnect_watch)
     pool = toolpool.Pool("toolpool_no_such_module_xyz:registry", workers=1)

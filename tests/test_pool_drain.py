@@ -1,14 +1,17 @@
-"""The supervisor's drain of a worker socket does not recurse once per call (white box).
+"""The supervisor's reading of a worker socket does not recurse once per call (white box).
 
-A result makes the pool dispatch the next queued call to the same worker, and a send checks
-the socket for what arrived meanwhile. When the worker had already answered by then (a
-preempted supervisor, a fast worker), that check used to drain again from inside the drain:
-one level of recursion per call, until a RecursionError quarantined a healthy worker. A fake
-socket that answers every call at once makes this deterministic.
+A result makes the pool dispatch the next queued call to the same worker, and after a send
+the shell reads what arrived meanwhile (zmq's notification fd is edge-triggered). When the
+worker had already answered by then (a preempted supervisor, a fast worker), that read once
+happened inside the read that sent: one level of recursion per call, until a RecursionError
+quarantined a healthy worker. A fake socket that answers every call at once makes this
+deterministic; the shell's loop must serve every call iteratively.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Any
 
 import pytest
@@ -17,7 +20,9 @@ import toolpool
 from pool_support import FakeWorkerSocket
 from toolpool import Outcome
 from toolpool.protocol import Call, Result, Started, decode_from_supervisor, encode, pack_value
-from toolpool.supervisor._pool import WorkerState, _Worker
+from toolpool.supervisor._pool import _WorkerIO
+from toolpool.supervisor._records import WorkerRecord
+from toolpool.supervisor._results import WorkerState
 
 CALLS = 3000  # several times Python's default recursion limit, in calls
 
@@ -40,21 +45,27 @@ class _InstantWorker(FakeWorkerSocket):
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_draining_a_fast_worker_does_not_nest_per_call(anyio_backend: str) -> None:
+async def test_serving_a_fast_worker_does_not_nest_per_call(anyio_backend: str) -> None:
     pool = toolpool.Pool("toolpool.testing.examples:registry", workers=1)
     sock = _InstantWorker()
-    w = _Worker(1, "ipc://fake", sock, b"secret")  # type: ignore[arg-type]
-    w.state = WorkerState.READY
-    pool._workers[w.wid] = w
-    pool._catalog["noop"] = {"name": "noop"}
-    pool._state = "running"
-    # Queue every call first, then let the worker become ready: one drain serves them all.
-    pool._ready.clear()
-    calls = [pool.submit("noop") for _ in range(CALLS)]
-    pool._ready.append(w)
-    pool._dispatch()  # the first call; each later one is dispatched from a result
-    pool._drain(w)
-    results: list[Any] = [call.result() for call in calls]
+    with tempfile.TemporaryFile() as ledger:
+        io = _WorkerIO(1, "ipc://fake", sock, os.dup(ledger.fileno()))  # type: ignore[arg-type]
+        pool._io[1] = io
+        core = pool._core
+        w = WorkerRecord(1, b"secret")
+        w.state = WorkerState.READY
+        w.answered = True
+        core.workers[1] = w
+        core.catalog["noop"] = {"name": "noop"}
+        core.starting = False
+        pool._state = "running"
+        # Queue every call first, then let the worker become ready: one pump serves them all.
+        calls = [pool.submit("noop") for _ in range(CALLS)]
+        core.ready.append(w)
+        core._dispatch()  # the first call; each later one is dispatched from a result
+        pool._pump()
+        results: list[Any] = [call.result() for call in calls]
+        io.close_files()
     assert sock.served == CALLS
     assert all(r.outcome is Outcome.OK for r in results), results[-1]
     assert [r.value for r in results] == [call.id for call in calls]

@@ -23,8 +23,8 @@ import anyio.lowlevel
 import pytest
 
 import toolpool
-import toolpool.supervisor._pool as pool_module
-from pool_support import TOOLS, Readiness, new_marker, running_pool, workers_of_reaper
+import toolpool.supervisor._dispatch as dispatch_module
+from pool_support import Readiness, new_marker, running_pool
 from toolpool import Outcome, Rung
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60, method="thread")]
@@ -39,7 +39,7 @@ def anyio_backend() -> str:
 
 
 #: The pool's own limit, kept before the fixture below lifts it.
-QUEUE_BEHIND_FOR = pool_module.QUEUE_BEHIND_FOR
+QUEUE_BEHIND_FOR = dispatch_module.QUEUE_BEHIND_FOR
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +48,7 @@ def queue_behind_long_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     pool sends there only while the call before them is young (``QUEUE_BEHIND_FOR``; a
     start announced to the test can take longer than that on a loaded machine). Lift the
     limit here; the tests of the limit itself set it back."""
-    monkeypatch.setattr(pool_module, "QUEUE_BEHIND_FOR", 3600.0)
+    monkeypatch.setattr(dispatch_module, "QUEUE_BEHIND_FOR", 3600.0)
 
 
 @contextmanager
@@ -252,7 +252,7 @@ async def test_a_call_waits_in_a_worker_only_behind_a_call_that_is_young(
     async with Readiness.open() as ready, running_pool(workers=1) as pool:
         running, _ = await _running(pool, ready)
         # "Young" is a matter of time: the limit stands in for the time that passed.
-        monkeypatch.setattr(pool_module, "QUEUE_BEHIND_FOR", 3600.0 if young else 0.0)
+        monkeypatch.setattr(dispatch_module, "QUEUE_BEHIND_FOR", 3600.0 if young else 0.0)
         queued = pool.submit("echo", {"value": 1})
         queued.cancel()
         if not young:
@@ -287,7 +287,7 @@ async def test_calls_behind_a_call_that_turns_out_long_go_back_to_the_front(
         later = [pool.submit("sync_nap", {"seconds": 0.002}) for _ in range(200)]
         assert pool.statistics().queued == 202
         # The long call is now old: the limit stands in for the time that passed.
-        monkeypatch.setattr(pool_module, "QUEUE_BEHIND_FOR", 0.0)
+        monkeypatch.setattr(dispatch_module, "QUEUE_BEHIND_FOR", 0.0)
         other.cancel()  # its worker's result makes the next dispatch
         assert (await other).outcome is Outcome.ABORTED
         with anyio.fail_after(15):
@@ -433,7 +433,6 @@ async def test_a_tool_that_wipes_its_ledger_and_holds_the_gil_is_still_killed(
 
 
 def test_prefetch_defaults_and_bad_values() -> None:
-    import toolpool
 
     assert toolpool.Pool("pool_support:registry").prefetch == 16
     assert QUEUE_BEHIND_FOR == 0.005
@@ -467,26 +466,6 @@ async def test_forcing_a_call_whose_result_is_on_its_way_spares_the_call_after_i
             assert stopped.cause == USER
             assert stopped.rung is Rung.CANCEL
             assert stopped.worker_pid == pid
-
-
-async def test_a_call_queued_in_a_worker_settles_when_the_reaper_dies() -> None:
-    """Without its reaper the pool is broken: its queue fails at once, and a call waiting in a
-    worker that dies with the reaper must fail too, not wait in a queue nothing serves."""
-    async with Readiness.open() as ready:
-        async with toolpool.Pool(TOOLS, workers=1) as pool:
-            running = pool.submit("ready_sync_nap", {"ready": ready.path, "seconds": 30})
-            await ready.started()
-            queued = pool.submit("echo", {"value": 1})
-            assert pool.statistics().queued == 1
-            reaper = pool.reaper_pid
-            assert reaper is not None
-            os.kill(reaper, signal.SIGKILL)
-            assert (await running).outcome is Outcome.WORKER_LOST
-            with anyio.fail_after(10):
-                result = await queued
-            assert result.outcome is Outcome.WORKER_LOST, result
-            assert result.body_started is False
-        assert workers_of_reaper(reaper) == []
 
 
 # --------------------------------------------------------------------------- a hostile ledger

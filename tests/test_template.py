@@ -50,7 +50,7 @@ async def test_forked_workers_are_children_of_the_reaper_holding_none_of_its_des
         assert sorted(methods.values()) == ["fork"] * 3
         reaper_fds = set(_fd_targets(reaper).values()) - {"/dev/null"}
         assert any(t.startswith("socket:") for t in reaper_fds)  # its line to the supervisor
-        wids = {w.pid: wid for wid, w in pool._workers.items()}
+        wids = {w.pid: wid for wid, w in pool._core.workers.items()}
         for pid in methods:
             wid = wids[pid]
             proc = psutil.Process(pid)
@@ -66,7 +66,7 @@ async def test_forked_workers_are_children_of_the_reaper_holding_none_of_its_des
             # cgroup (where cgroup v2 is set up).
             assert all(
                 t.startswith(("socket:", "anon_inode:"))
-                or t == f"{pool._workers[wid].endpoint[6:-5]}/ledger"
+                or t == f"{pool._io[wid].endpoint[6:-5]}/ledger"
                 or (t.startswith("/sys/fs/cgroup/") and t.endswith("/cgroup.procs"))
                 for fd, t in fds.items()
                 if fd > 2

@@ -3,7 +3,8 @@
 Never imports :mod:`toolpool.worker`: workers are started by module path.
 """
 
-from ._pool import Call, Group, Pool
+from ._calls import Call, Group
+from ._pool import Pool
 from ._results import ContainmentReport, Layer, Result, Rung, Statistics, Timeline, WorkerState
 from ._sync import SyncCall, SyncPool
 

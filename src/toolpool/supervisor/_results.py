@@ -129,6 +129,11 @@ class Result:
     invalid bytes replaced), with ``Pool(capture_output=...)``; None when not captured."""
     output_dropped: int = 0
     """Bytes of output beyond the per-call cap, read and discarded."""
+    tree_verified: bool | None = None
+    """Where the worker died during the call (``killed``, ``worker_lost``): True if its whole
+    process tree was verified gone before the call settled, False if it could not be (the
+    pool's reaper died and no cgroup held the tree: see ``docs/pool.md``). None where the
+    worker did not die of the call (it sent a result, or never took the call up)."""
     timeline: Timeline
 
     @property

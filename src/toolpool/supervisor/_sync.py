@@ -8,7 +8,8 @@ from typing import Any, final
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from ._pool import Call, Pool
+from ._calls import Call
+from ._pool import Pool
 from ._results import Result, Statistics
 
 __all__ = ("SyncCall", "SyncPool")

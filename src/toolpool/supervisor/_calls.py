@@ -1,0 +1,187 @@
+"""The public faces of a call and of a group (turn): what callers await and cancel.
+
+Each extends the core's record (``_records.py``) with anyio events to wait on; every decision
+about them is the core's, reached through the pool (``_pool.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final, final
+
+import anyio
+
+from ..core import CancelCause, cancel_with_runtime_cause, validate_cause
+from ._records import CallRecord, GroupRecord
+from ._results import Result
+
+if TYPE_CHECKING:
+    from ._pool import Pool
+
+__all__ = ("Call", "Group", "await_call")
+
+_PARENT: Final = CancelCause("parent")
+
+
+@final
+class Call(CallRecord):
+    """A submitted call. ``await call`` gives its :class:`Result`; ``call.cancel()`` stops it.
+
+    Created by :meth:`Pool.submit` and :meth:`Group.submit` only.
+    """
+
+    __slots__ = ("_event", "_pool", "_started_event")
+
+    def __init__(
+        self,
+        pool: Pool,
+        call_id: int,
+        tool: str,
+        args: bytes,
+        group: Group | None,
+        now: float,
+    ) -> None:
+        super().__init__(call_id, tool, args, group, now)
+        self._pool = pool
+        self._event: anyio.Event | None = None
+        self._started_event: anyio.Event | None = None
+
+    def cancel(self, cause: object = None, *, force: bool = False) -> None:
+        """Cancel the call. ``cause`` is None (``{"kind": "user"}``) or ``{"kind": "parent"}``.
+
+        Validated strictly, even when the call has already settled. A queued call settles at
+        once as ``aborted_before_dispatch``; a running one gets a cooperative cancel message,
+        then escalation per the pool's grace periods. ``force=True`` goes straight to SIGKILL
+        of the worker's process tree. The first cause wins.
+        """
+        accepted = validate_cause(cause)
+        self._pool._cancel(self, accepted, force=force)
+
+    def done(self) -> bool:
+        """True once the call has settled."""
+        return self._result is not None
+
+    def result(self) -> Result:
+        """The settled result; raises :class:`RuntimeError` if the call has not settled."""
+        if self._result is None:
+            raise RuntimeError("the call has not settled yet; await it")
+        return self._result
+
+    async def wait(self) -> Result:
+        """Wait until the call settles and return its result.
+
+        If the waiting task is cancelled the call is not: cancel it explicitly, or use
+        :meth:`Pool.call`, which does so with cause ``parent``.
+        """
+        if self._result is None:
+            if self._event is None:
+                self._event = anyio.Event()
+            await self._event.wait()
+        assert self._result is not None
+        return self._result
+
+    async def wait_started(self) -> bool:
+        """Wait until the worker reports the body started, or the call settled first.
+
+        Returns True if the body started (it may have finished since), False if the call
+        settled without its body starting (or without the start being known, for a worker
+        that died without a ledger). A worker reports the start of an async body at once,
+        and that of a sync body once it has run for about 0.2 ms (a quicker body's result
+        says it started).
+        """
+        if not self._started and self._result is None:
+            if self._started_event is None:
+                self._started_event = anyio.Event()
+            await self._started_event.wait()
+        return self._started
+
+    @property
+    def started(self) -> bool:
+        """True once the worker reported that the body was invoked (see :meth:`wait_started`)."""
+        return self._started
+
+    def _wake(self) -> None:
+        """It settled: wake whoever waits (the core's ``Settled`` action)."""
+        if self._event is not None:
+            self._event.set()
+        if self._started_event is not None:
+            self._started_event.set()
+
+    def _wake_started(self) -> None:
+        if self._started_event is not None:
+            self._started_event.set()
+
+    def __await__(self) -> Generator[Any, None, Result]:
+        return self.wait().__await__()
+
+    def __repr__(self) -> str:
+        state = self._result.outcome.value if self._result else self._state.value
+        return f"<toolpool.Call {self.id} {self.tool!r} {state}>"
+
+
+@final
+class Group(GroupRecord):
+    """A turn: one cancel controller covering every call made in it (CONTRACT C5).
+
+    Use ``async with pool.group() as turn:``. Leaving the block normally waits until every
+    call of the group settled; leaving it by an exception or cancellation cancels the group
+    with cause ``parent`` (the calls are still tracked to settlement by the pool).
+    """
+
+    def __init__(self, pool: Pool) -> None:
+        super().__init__()
+        self._pool = pool
+        self._controller.signal.add_callback(self._on_cancel)
+
+    def submit(
+        self, tool: str, args: Mapping[str, Any] | None = None, *, timeout: float | None = None
+    ) -> Call:
+        """Submit a call in this group; after a cancel it settles at once as
+        ``aborted_before_dispatch``."""
+        return self._pool._submit(tool, args, timeout=timeout, group=self)
+
+    async def call(
+        self, tool: str, args: Mapping[str, Any] | None = None, *, timeout: float | None = None
+    ) -> Result:
+        """Submit in this group and wait; see :meth:`Pool.call`."""
+        return await await_call(self.submit(tool, args, timeout=timeout))
+
+    def cancel(self, cause: object = None) -> bool:
+        """Cancel every call of the group, queued or running. The first request wins."""
+        return self._controller.cancel(cause)
+
+    def _on_cancel(self, cause: CancelCause) -> None:
+        self._pool._group_cancelled(self, cause)
+
+    async def wait(self) -> None:
+        """Wait until every call submitted so far has settled."""
+        while self._calls:
+            call = next(iter(self._calls))
+            assert isinstance(call, Call)
+            await call.wait()
+
+    async def __aenter__(self) -> Group:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            if not self.cancelled:
+                cancel_with_runtime_cause(self._controller, _PARENT)
+            return
+        await self.wait()
+
+
+async def await_call(call: Call) -> Result:
+    """Wait for ``call``; if the waiting task is cancelled, the cancellation reaches it at
+    once and the call gets a cooperative cancel with cause ``parent`` (C4.5)."""
+    try:
+        return await call.wait()
+    except anyio.get_cancelled_exc_class():
+        call._pool._cancel(call, _PARENT, force=False)
+        raise

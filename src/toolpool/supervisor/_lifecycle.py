@@ -1,0 +1,421 @@
+"""Workers' lives: start (hello, start failures), what they say (C7: every message checked),
+death and replacement (C4.3, C4.6), and the reaper's own death."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any, Final
+
+from ..core import WorkerStartError
+from ..protocol import (
+    PROTOCOL_VERSION,
+    Ack,
+    CancelAck,
+    Fatal,
+    Hello,
+    Pong,
+    ProtocolViolation,
+    Resume,
+    Withdrawn,
+    encode,
+)
+from ..protocol import Result as ResultMessage
+from ..protocol import Started as StartedMessage
+from ._escalation import Escalation
+from ._records import (
+    CallState,
+    Changed,
+    Clean,
+    Close,
+    FirstHello,
+    Orphaned,
+    RestartReaper,
+    Spawn,
+    Started,
+    WorkerRecord,
+)
+from ._results import Rung, WorkerState
+from ._settlement import describe_exit
+from ._state import Proc, Wait
+
+__all__ = ("EXIT_TOOLS_FAILED", "Lifecycle")
+
+_log = logging.getLogger("toolpool.supervisor")
+
+#: The worker's exit status after it sent 'fatal' (see worker/_main.py).
+EXIT_TOOLS_FAILED: Final = 71
+#: How long a worker that exited with EXIT_TOOLS_FAILED may take for its 'fatal' (with the
+#: traceback) to arrive after the reaper's report of its exit (seconds).
+_FATAL_TRAILS_BY = 2.0
+REAPER_DIED: Final = "the pool's reaper process died"
+
+
+def _spawning(w: WorkerRecord) -> bool:
+    return w.state is WorkerState.SPAWNING and not w.gone
+
+
+class Lifecycle(Escalation):
+    """Worker lifecycle and messages."""
+
+    # ------------------------------------------------------------------ start
+
+    def _spawn(self) -> WorkerRecord:
+        wid = next(self._wids)
+        w = WorkerRecord(wid, self._new_secret())
+        self.workers[wid] = w
+        self.started_count += 1
+        self._arm(self.now + self.config.start_timeout, "hello", wid)
+        self._act(Spawn(wid, w.secret))
+        return w
+
+    def _hello_overdue(self, wid: int) -> None:
+        w = self.workers.get(wid)
+        if w is not None and _spawning(w):
+            self._start_failure(w, "the worker did not say hello in time")
+
+    def _start_failure(self, w: WorkerRecord, reason: str) -> None:
+        w.start_failed = True
+        w.answered = True
+        self._quarantine(w, None)
+        self.start_failures += 1
+        _log.warning(
+            "worker %s (pid %s) failed to start: %s",
+            w.wid,
+            w.pid,
+            reason.strip().splitlines()[-1] if reason.strip() else reason,
+            extra={"worker_pid": w.pid, "reason": reason},
+        )
+        if self.start_failures >= self.config.max_start_failures or self.starting:
+            self.broken = WorkerStartError(
+                f"workers for {self.config.tools_spec!r} fail to start: {reason.strip()}"
+            )
+            self._fail_queue()
+        self._act(Changed())
+
+    def _violated(self, w: WorkerRecord, violation: str) -> None:
+        """w broke the protocol: quarantine it; before its hello, that is a start failure."""
+        spawning = _spawning(w)  # before the quarantine changes its state
+        self._quarantine(w, violation)
+        if spawning:
+            self._start_failure(w, violation)
+
+    def _await_fatal(self, w: WorkerRecord) -> Proc:
+        """w exited at start saying its tools failed: wait briefly for its 'fatal'."""
+        yield Wait(self.now + _FATAL_TRAILS_BY, lambda: w.answered)
+        if not w.start_failed:
+            self._start_failure(w, f"the worker exited with status {w.exit_status} at start")
+        w.awaiting_fatal = False
+        if w.gone_deferred:  # its tree's end came meanwhile: now it counts
+            self._worker_gone(w)
+        elif w.gone:
+            self._maybe_replace(w)
+
+    # ------------------------------------------------------------------ messages
+
+    def _on_message(self, w: WorkerRecord, msg: Any, peer_pid: int | None) -> None:
+        if isinstance(msg, ResultMessage):
+            self._on_result(w, msg)
+        elif isinstance(msg, StartedMessage):
+            call = w.call
+            if call is None or call.id != msg.call_id or call._started:
+                raise ProtocolViolation(f"'started' for call {msg.call_id}, which it does not run")
+            call._started = True
+            call._state = CallState.RUNNING
+            call._times["started"] = self.now
+            self._act(Started(call))
+        elif isinstance(msg, CancelAck):
+            # One per cancel it was sent, for its current or just-settled call: anything else
+            # is a violation (a flood of acks would otherwise cost the supervisor for free).
+            if msg.call_id not in w.acks_expected:
+                raise ProtocolViolation(f"cancel_ack for call {msg.call_id}, which it was not sent")
+            w.acks_expected.discard(msg.call_id)
+            call = w.call
+            if call is not None and call.id == msg.call_id:
+                call._times.setdefault("cancel_delivered", self.now)
+        elif isinstance(msg, Withdrawn):
+            self._on_withdrawn(w, msg)
+        elif isinstance(msg, Hello):
+            self._on_hello(w, msg, peer_pid)
+        elif isinstance(msg, Fatal):
+            if w.start_failed and hmac.compare_digest(msg.secret, w.secret):
+                return  # its start already counted as failed; the details came late
+            if w.state is not WorkerState.SPAWNING or not hmac.compare_digest(msg.secret, w.secret):
+                raise ProtocolViolation("an unexpected 'fatal' message")
+            w.fatal = msg.error
+            self._start_failure(w, msg.error)
+        elif isinstance(msg, Pong):
+            # The supervisor sends no pings: every pong is unsolicited. Harmless alone, but a
+            # flood of them would cost the supervisor CPU and delay every other worker.
+            raise ProtocolViolation("a pong it was not asked for")
+        else:
+            raise ProtocolViolation(f"unexpected message {type(msg).__name__}")
+
+    def _on_result(self, w: WorkerRecord, msg: ResultMessage) -> None:
+        settle = self._received(w, msg)
+        if not msg.extras.get("kept", False) and len(w.calls) > 1:
+            # Not in its ledger: it takes up nothing more until it knows this arrived.
+            self._send(w, encode(Ack(w.results)))
+        background = self.config.allow_background
+        leftovers = msg.leftovers
+        # With a leftover it reported, the worker takes up nothing more until 'resume'.
+        w.holding = leftovers > 0 and not background
+        if not leftovers and not background and len(w.calls) == 1:
+            # The worker's count is its tool's claim; its cgroup is not: any process in it
+            # but the worker (a child re-parented away with clone(CLONE_PARENT), or one a
+            # tool hid by patching the worker) is left over too. Only while no other call
+            # is in the worker: one taken up since could own them.
+            leftovers = self.probe.other_members(w.wid, w.pid) or 0
+        if leftovers and not background and self.reaper_up:
+            # The call left processes behind: kill them before settling, so the result
+            # can say how many, and the next call never inherits them.
+            w.pending = settle
+            if w.state is WorkerState.BUSY:
+                w.state = WorkerState.CLEANING
+            self._act(Clean(w.wid))
+            return
+        settle()
+        if w.calls:
+            self.probe.reset_peak(w.wid)  # the next call's peak starts about now
+        self._resume(w)
+
+    def _on_withdrawn(self, w: WorkerRecord, msg: Withdrawn) -> None:
+        # Only a queued call it was asked to give back (a cancel, a recall, a shutdown).
+        call = next((c for c in w.calls if c.id == msg.call_id), None)
+        if call is None or not (call._recalling or msg.call_id in w.acks_expected):
+            raise ProtocolViolation(f"withdrew call {msg.call_id}, which it was not asked to")
+        if call._started:
+            raise ProtocolViolation(f"withdrew call {msg.call_id}, whose body it started")
+        w.calls.remove(call)
+        w.acks_expected.discard(call.id)
+        if call._cause is not None:
+            call._times.setdefault("cancel_delivered", self.now)
+            call._worker = None
+            call._rung = Rung.CANCEL
+            self._settle_unstarted(call, call._cause)
+        else:
+            self._requeue(call)
+        self._resume(w)
+
+    def _on_hello(self, w: WorkerRecord, msg: Hello, peer_pid: int | None) -> None:
+        if w.state is not WorkerState.SPAWNING:
+            raise ProtocolViolation("a second hello")
+        if not hmac.compare_digest(msg.secret, w.secret):
+            raise ProtocolViolation("hello with a wrong secret")
+        if msg.version != PROTOCOL_VERSION:
+            w.fatal = f"protocol version {msg.version}, expected {PROTOCOL_VERSION}"
+            self._start_failure(w, w.fatal)
+            return
+        if w.pid is not None and msg.pid != w.pid:
+            raise ProtocolViolation(f"hello from pid {msg.pid}, but the worker is {w.pid}")
+        if peer_pid is not None and peer_pid != msg.pid:
+            # The secret alone is not enough: the process at the other end of the socket
+            # must be the worker itself (a stolen secret cannot stand in for it).
+            raise ProtocolViolation(
+                f"hello sent by process {peer_pid}, which is not the worker ({msg.pid})"
+            )
+        w.peer_pid = peer_pid
+        if w.pid is None and peer_pid == msg.pid:
+            # The reaper's report of its pid can come after the hello. Until then, the pid
+            # the kernel vouches for stands in (results, the cgroup's member count); the
+            # report is checked against it ("spawned").
+            w.pid = msg.pid
+        catalog: dict[str, dict[str, Any]] = {}
+        threaded: set[str] = set()
+        for entry in msg.tools:
+            desc = dict(entry)
+            if desc.pop("runs_in_thread", False):
+                threaded.add(desc["name"])
+            catalog[desc["name"]] = desc
+        for name, desc in catalog.items():
+            known = self.catalog.get(name)
+            # Where its body runs decides whether calls may queue behind it: a worker
+            # that says otherwise than the others is refused, and changes nothing.
+            if known is not None and (
+                known != desc or (name in threaded) != (name in self.threaded)
+            ):
+                raise ProtocolViolation(f"tool {name!r} differs from the other workers'")
+        self.threaded |= threaded
+        self.catalog.update(catalog)
+        w.catalog = catalog
+        if self.worker_layers is None:
+            self.worker_layers = dict(msg.containment)
+            self._act(FirstHello(self.worker_layers))
+        w.state = WorkerState.READY
+        w.answered = True
+        self.start_failures = 0
+        _log.debug("worker %s (pid %s) ready", w.wid, w.pid, extra={"worker_pid": w.pid})
+        if self.closing:
+            self._retire(w)
+        else:
+            self.ready.append(w)
+            self._dispatch()
+        self._act(Changed())
+
+    # ------------------------------------------------------------------ the reaper's reports
+
+    def _on_spawned(self, w: WorkerRecord, pid: int, method: str) -> None:
+        w.pid = pid
+        if w.peer_pid is not None and w.peer_pid != pid and w.answered:
+            # Its hello (handled before this report) came from another process.
+            self._quarantine(w, f"hello sent by process {w.peer_pid}, not the worker")
+        w.start_method = method
+        _log.debug("worker %s started (pid %s, %s)", w.wid, pid, method, extra={"worker_pid": pid})
+        self._act(Changed())
+
+    def _on_exited(self, w: WorkerRecord, status: int, oom_kills: int) -> None:
+        w.exit_status = status
+        w.oom_kills = oom_kills
+        if w.state is WorkerState.SPAWNING and not w.start_failed:
+            if status == EXIT_TOOLS_FAILED:
+                # It sent 'fatal' (with the traceback) before exiting: the message can
+                # trail the exit report by a moment. Wait for it, briefly.
+                w.awaiting_fatal = True
+                self._spawn_proc(self._await_fatal(w))
+            else:
+                self._start_failure(w, f"the worker exited with status {status} at start")
+
+    def _on_gone(self, w: WorkerRecord) -> None:
+        if w.awaiting_fatal:
+            # Its 'fatal' can trail this report too (the socket's I/O thread lags under
+            # load): its socket stays open and read until _await_fatal is done.
+            w.gone_deferred = True
+        else:
+            self._worker_gone(w)
+
+    def _on_cleaned(self, w: WorkerRecord, count: int) -> None:
+        pending, w.pending = w.pending, None
+        if pending is not None:
+            pending(leftovers_killed=count)
+        if w.holding and not w.gone:
+            w.holding = False
+            if w.calls:
+                self.probe.reset_peak(w.wid)  # the next call's peak starts now
+            self._send(w, encode(Resume()))
+        self._resume(w)
+
+    def _worker_gone(self, w: WorkerRecord) -> None:
+        """The worker and every process it spawned are gone: settle, replace (C4.3, C4.6).
+
+        The shell read what it sent before it died first: a result may have been unread.
+        """
+        if w.gone:
+            return
+        was_serving = w.state in (WorkerState.READY, WorkerState.BUSY, WorkerState.QUARANTINED)
+        was_serving = was_serving and w.answered and not w.start_failed
+        retired = w.state is WorkerState.RETIRING
+        w.gone = True
+        if w in self.ready:
+            self.ready.remove(w)
+        pending, w.pending = w.pending, None
+        if pending is not None:  # its body returned; the clean-up was overtaken by its death
+            pending()
+        held = bool(w.calls)
+        requeue = self._settle_calls_of_dead(w)
+        for call in reversed(requeue):
+            self._requeue(call)  # in order, at the front
+        w.state = WorkerState.EXITED
+        del self.workers[w.wid]
+        self._act(Close(w.wid))
+        self._act(Changed())
+        self._log_gone(w, retired=retired, held=held)
+        if not w.awaiting_fatal:  # else: decided once the start failure is known
+            self._maybe_replace(w, counts=was_serving)
+        if not self.reaper_up:
+            self._restart_reaper_when_clear()
+        self._dispatch()  # a warm spare (or any idle worker) takes what is queued
+
+    def _log_gone(self, w: WorkerRecord, *, retired: bool, held: bool) -> None:
+        why = (
+            w.violation
+            or w.lost_reason
+            or describe_exit(w.exit_status, w.disconnected, w.oom_kills, self.config.memory_cap)
+        )
+        extra = {"worker_pid": w.pid, "exit_status": w.exit_status, "why": why}
+        if retired or w.start_failed:
+            _log.debug("worker %s (pid %s) exited: %s", w.wid, w.pid, why, extra=extra)
+        elif w.escalated or self.closing:
+            _log.info("worker %s (pid %s) is gone: %s", w.wid, w.pid, why, extra=extra)
+        else:
+            during = " during a call" if held else ""
+            _log.warning("worker %s (pid %s) died%s: %s", w.wid, w.pid, during, why, extra=extra)
+
+    def _maybe_replace(self, w: WorkerRecord, *, counts: bool = False) -> None:
+        if self.closing or self.broken is not None:
+            return
+        if counts:
+            self.replaced += 1
+        if not self.reaper_up:
+            return  # the new reaper starts a full complement
+        if w.start_failed:
+            self._arm(self.now + min(2.0, 0.05 * 2**self.start_failures), "respawn")
+        else:
+            new = self._spawn()
+            _log.info(
+                "worker %s (pid %s) replaced by worker %s",
+                w.wid,
+                w.pid,
+                new.wid,
+                extra={"worker_pid": w.pid},
+            )
+
+    def _respawn_due(self) -> None:
+        if not self.closing and self.broken is None and self.reaper_up:
+            self._spawn()
+
+    # ------------------------------------------------------------------ the reaper's death
+
+    def _reaper_lost(self) -> None:
+        """The reaper died. Its workers die with it (PDEATHSIG), their descendants may not:
+        the shell ends each tree itself (``Orphaned``) and reports it gone, saying whether
+        that was verified. No call settles before. Then a new reaper starts (C4.3, C4.6)."""
+        if not self.reaper_up:
+            return
+        self.reaper_up = False
+        if self.starting and self.broken is None:
+            self.broken = WorkerStartError("the pool's reaper process went away")
+            self._fail_queue()
+        _log.error(
+            "the pool's reaper process died; ending its workers' trees without it%s",
+            "" if self.closing or self.broken else ", then starting a new one",
+        )
+        for w in list(self.workers.values()):
+            if w.gone:
+                continue
+            w.orphaned = True
+            w.lost_reason = REAPER_DIED
+            if w in self.ready:
+                self.ready.remove(w)
+            if w.state is not WorkerState.RETIRING:
+                w.state = WorkerState.QUARANTINED  # no call is sent to it any more
+            self._act(Orphaned(w.wid))
+        self._act(Changed())
+        self._restart_reaper_when_clear()
+
+    def _restart_reaper_when_clear(self) -> None:
+        if self.reaper_up or self.restarting or self.closing or self.broken is not None:
+            return
+        if any(not w.gone for w in self.workers.values()):
+            return  # the calls in flight settle truthfully first
+        self.restarting = True
+        self._act(RestartReaper())
+
+    def _reaper_ready(self) -> None:
+        self.restarting = False
+        self.reaper_up = True
+        if self.closing or self.broken is not None:
+            return
+        _log.info("a new reaper serves the pool")
+        want = self.config.size + self.config.warm_spares
+        for _ in range(want - sum(1 for w in self.workers.values() if not w.gone)):
+            self._spawn()
+
+    def _reaper_failed(self, error: str) -> None:
+        self.restarting = False
+        self.reaper_up = False
+        if self.broken is None:
+            self.broken = WorkerStartError(
+                f"the pool's reaper process went away and a new one did not start: {error}"
+            )
+            self._fail_queue()
+        self._act(Changed())

@@ -1,0 +1,296 @@
+"""What the pool's core knows of calls, groups and workers, and the actions it asks for.
+
+Plain data, no I/O: the core (``_core.py`` and the layers below it) reads and changes these
+records; the shell (``_pool.py``) creates calls and groups (the public :class:`toolpool.Call`
+and :class:`toolpool.Group` extend the records here with their awaitable faces) and performs
+the actions.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from collections.abc import Callable, Mapping
+from typing import Any, Final, NamedTuple
+
+from ..core import CancelCause, CancelController, CancelSignal
+from ._results import Result, Rung, WorkerState
+
+__all__ = (
+    "KILLED_TEXT",
+    "TIMEOUT_TEXT",
+    "WORKER_LOST_TEXT",
+    "Action",
+    "CallRecord",
+    "CallState",
+    "Changed",
+    "Clean",
+    "Close",
+    "FirstHello",
+    "GroupRecord",
+    "Kill",
+    "Orphaned",
+    "RestartReaper",
+    "Send",
+    "Settled",
+    "Spawn",
+    "Started",
+    "Terminate",
+    "WorkerRecord",
+)
+
+WORKER_LOST_TEXT: Final = "Error: worker lost"
+KILLED_TEXT: Final = "Error: tool call killed"
+TIMEOUT_TEXT: Final = "Error: tool call timed out"
+
+
+class CallState(enum.Enum):
+    """Where a call is, as the supervisor sees it (``docs/pool.md``, "The core")."""
+
+    QUEUED = "queued"
+    """In the pool's queue: no worker has it."""
+    SENT = "sent"
+    """Sent to a worker: it runs it, or holds it queued behind the call it runs."""
+    RUNNING = "running"
+    """Its worker reported the body started."""
+    SETTLED = "settled"
+    """It has its result; the pool holds no reference to it any more."""
+
+
+class CallRecord:
+    """A call as the core tracks it. The public :class:`toolpool.Call` extends it."""
+
+    __slots__ = (
+        "_args",
+        "_cause",
+        "_deadline",
+        "_forced",
+        "_group",
+        "_laddering",
+        "_queued",
+        "_recalling",
+        "_requeued",
+        "_result",
+        "_rung",
+        "_started",
+        "_state",
+        "_times",
+        "_worker",
+        "id",
+        "tool",
+    )
+
+    def __init__(
+        self, call_id: int, tool: str, args: bytes, group: GroupRecord | None, now: float
+    ) -> None:
+        self.id = call_id
+        """The pool-wide call id."""
+        self.tool = tool
+        """The tool's name."""
+        self._args = args  # msgpack of the arguments, as sent
+        self._group = group
+        self._state = CallState.QUEUED
+        self._worker: WorkerRecord | None = None
+        self._cause: CancelCause | None = None
+        self._rung = Rung.NONE
+        self._started = False
+        self._result: Result | None = None
+        self._deadline: float | None = None
+        self._laddering = False  # its escalation ladder runs
+        self._queued = False  # it is in the pool's queue (settled ones may linger there)
+        self._forced = False
+        self._recalling = False  # a recall (or the worker's shutdown) may withdraw it
+        self._requeued = False  # run elsewhere once, first in line in a worker that died
+        self._times: dict[str, float] = {"submitted": now}
+
+
+class GroupRecord:
+    """A group (turn) as the core tracks it: its cancel controller and its unsettled calls.
+    The public :class:`toolpool.Group` extends it."""
+
+    def __init__(self) -> None:
+        self._controller = CancelController()
+        self._calls: set[CallRecord] = set()
+
+    @property
+    def signal(self) -> CancelSignal:
+        """The group's cancel signal (read-only)."""
+        return self._controller.signal
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the group was cancelled."""
+        return self._controller.signal.cancelled
+
+
+class WorkerRecord:
+    """A worker process as the core tracks it. Its socket, files and directories are the
+    shell's (``_pool.py``: ``_WorkerIO``)."""
+
+    __slots__ = (
+        "acks_expected",
+        "answered",
+        "awaiting_fatal",
+        "calls",
+        "catalog",
+        "disconnected",
+        "escalated",
+        "exit_status",
+        "fatal",
+        "gone",
+        "gone_deferred",
+        "head_since",
+        "holding",
+        "lost_reason",
+        "oom_kills",
+        "orphaned",
+        "peer_pid",
+        "pending",
+        "pid",
+        "results",
+        "secret",
+        "signals",
+        "start_failed",
+        "start_method",
+        "state",
+        "verified",
+        "violated",
+        "violation",
+        "wid",
+    )
+
+    def __init__(self, wid: int, secret: bytes) -> None:
+        self.wid = wid
+        self.secret = secret  # what its hello must carry
+        self.state = WorkerState.SPAWNING
+        self.pid: int | None = None
+        self.start_method: str | None = None  # how the reaper started it, once it said
+        # Its calls in the order sent: the first runs (or is next), the rest wait in its queue.
+        self.calls: collections.deque[CallRecord] = collections.deque()
+        self.head_since = 0.0  # when the first of them became first
+        self.holding = False  # its last call left processes behind: it waits for 'resume'
+        self.results = 0  # results received from it (found in its ledger, too)
+        self.signals: dict[str, float] = {}  # "sigterm"/"sigkill": when its tree first got it
+        self.acks_expected: set[int] = set()  # calls it was sent a cancel for, not yet acked
+        self.catalog: dict[str, dict[str, Any]] = {}
+        self.exit_status: int | None = None
+        self.fatal: str | None = None
+        self.violation: str | None = None
+        self.violated = False  # quarantined for breaking the protocol: its word counts no more
+        self.lost_reason: str | None = None  # why its call is lost, if not its exit (reaper)
+        self.start_failed = False
+        self.answered = False  # it said hello, or its start failed
+        self.gone = False  # it and every process of its tree are gone
+        self.verified = True  # ... and that was checked (False: its reaper died, no cgroup)
+        self.orphaned = False  # its reaper died: the shell ends its tree itself
+        self.disconnected = False
+        self.escalated = False
+        self.awaiting_fatal = False
+        self.gone_deferred = False  # its tree is gone, handled once its 'fatal' is read
+        self.peer_pid: int | None = None  # who sent its first message (SO_PEERCRED)
+        self.oom_kills = 0  # OOM kills in its memory cgroup, as the reaper read them at exit
+        self.pending: Callable[..., None] | None = None  # settles its call once cleaned up
+
+    @property
+    def call(self) -> CallRecord | None:
+        """The call it runs, or takes up next."""
+        return self.calls[0] if self.calls else None
+
+    def __repr__(self) -> str:
+        return f"<worker {self.wid} pid={self.pid} {self.state.value}>"
+
+
+# --------------------------------------------------------------------------- actions
+# What the core asks the shell to do (``PoolCore.flush`` returns them in order).
+
+
+class Send(NamedTuple):
+    """Send ``frames`` to worker ``wid`` as one multipart message. ``calls`` are the calls
+    whose ``call`` frames these are: if the send fails, report ``send_failed``."""
+
+    wid: int
+    frames: list[bytes]
+    calls: tuple[CallRecord, ...] = ()
+
+
+class Spawn(NamedTuple):
+    """Start worker ``wid`` (its socket, files, the reaper's spawn); its hello must carry
+    ``secret``."""
+
+    wid: int
+    secret: bytes
+
+
+class Terminate(NamedTuple):
+    """SIGTERM worker ``wid``'s whole tree."""
+
+    wid: int
+
+
+class Kill(NamedTuple):
+    """SIGKILL worker ``wid``'s whole tree (the reaper freezes it and loops until empty)."""
+
+    wid: int
+
+
+class Clean(NamedTuple):
+    """Kill what worker ``wid``'s last call left running (never the worker); answered by
+    ``cleaned``."""
+
+    wid: int
+
+
+class Close(NamedTuple):
+    """Worker ``wid`` is gone: close its socket and files."""
+
+    wid: int
+
+
+class Orphaned(NamedTuple):
+    """The reaper died: end worker ``wid``'s tree without it (its cgroup, where it has one),
+    then report ``worker_gone`` saying whether the whole tree was verified gone."""
+
+    wid: int
+
+
+class RestartReaper(NamedTuple):
+    """Every worker of the dead reaper is gone: start a new one, then report
+    ``reaper_ready`` (or ``reaper_failed``)."""
+
+
+class Settled(NamedTuple):
+    """``call`` settled: wake whoever waits for it."""
+
+    call: CallRecord
+
+
+class Started(NamedTuple):
+    """``call``'s body started: wake whoever waits for that."""
+
+    call: CallRecord
+
+
+class Changed(NamedTuple):
+    """The workers changed (one became ready, failed, or is gone)."""
+
+
+class FirstHello(NamedTuple):
+    """The first worker's hello: the containment layers it applied."""
+
+    containment: Mapping[str, Any]
+
+
+Action = (
+    Send
+    | Spawn
+    | Terminate
+    | Kill
+    | Clean
+    | Close
+    | Orphaned
+    | RestartReaper
+    | Settled
+    | Started
+    | Changed
+    | FirstHello
+)

@@ -1,0 +1,373 @@
+"""Settlement: building a call's result, settling it exactly once, and the post-mortem of a
+worker that died with calls in it (CONTRACT C3, C4.3)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Final
+
+from ..core import (
+    ABORT_ERROR_NAME,
+    ABORTED_BEFORE_DISPATCH_TEXT,
+    CancelCause,
+    Outcome,
+)
+from ..protocol import ProtocolViolation, decode_from_worker, unpack_value
+from ..protocol import Result as ResultMessage
+from ..sandbox._profile import _human as _human_size
+from ._records import (
+    KILLED_TEXT,
+    TIMEOUT_TEXT,
+    WORKER_LOST_TEXT,
+    CallRecord,
+    CallState,
+    Settled,
+    WorkerRecord,
+)
+from ._results import Result, Rung, Timeline
+from ._state import CoreState
+
+__all__ = ("Settlement", "describe_exit")
+
+_log = logging.getLogger("toolpool.supervisor")
+
+_NO_CONTEXT: Final[Mapping[str, Any]] = MappingProxyType({})  # read-only: one serves all
+_DISPOSED: Final = CancelCause("disposed")
+RUNG_ORDER: Final = {Rung.NONE: 0, Rung.CANCEL: 1, Rung.SIGTERM: 2, Rung.SIGKILL: 3}
+
+
+class Settlement(CoreState):
+    """Results and settlement."""
+
+    def _settle(
+        self,
+        call: CallRecord,
+        outcome: Outcome,
+        *,
+        value: Any = None,
+        error: str | None = None,
+        error_name: str | None = None,
+        body_started: bool | None,
+        context: Mapping[str, Any] | None = None,
+        exit_status: int | None = None,
+        leftovers_killed: int = 0,
+        cpu_time: float | None = None,
+        max_rss: int | None = None,
+        output: str | None = None,
+        output_dropped: int = 0,
+        tree_max_memory: int | None = None,
+        tree_verified: bool | None = None,
+    ) -> None:
+        """Settle ``call`` with this result, once (later attempts change nothing)."""
+        if call._result is not None:
+            return
+        now = self.now
+        call._times["settled"] = now
+        w = call._worker
+        exit_code = exit_signal = None
+        if exit_status is not None:
+            if exit_status < 0:
+                exit_signal = -exit_status
+            else:
+                exit_code = exit_status
+        call._result = Result(
+            call_id=call.id,
+            tool=call.tool,
+            outcome=outcome,
+            value=value,
+            error=error,
+            error_name=error_name,
+            body_started=body_started,
+            cause=call._cause,
+            rung=call._rung,
+            worker_pid=w.pid if w is not None else None,
+            exit_code=exit_code,
+            exit_signal=exit_signal,
+            context=MappingProxyType(dict(context)) if context else _NO_CONTEXT,
+            leftovers_killed=leftovers_killed,
+            cpu_time=cpu_time,
+            max_rss=max_rss,
+            output=output,
+            output_dropped=output_dropped,
+            tree_max_memory=tree_max_memory,
+            tree_verified=tree_verified,
+            timeline=Timeline(**call._times),
+        )
+        if call._queued:
+            self._forget_queued(call)
+        call._state = CallState.SETTLED
+        self.settled_counts[outcome.value] += 1
+        if call._rung is not Rung.NONE:
+            self.escalation_counts[call._rung.value] += 1
+        del self.calls[call.id]
+        if call._group is not None:
+            call._group._calls.discard(call)
+        if w is not None and call in w.calls:
+            if w.calls[0] is call:
+                w.calls.popleft()
+                w.head_since = now
+            else:
+                w.calls.remove(call)
+            if w.acks_expected:  # an ack may still be on its way for this call, no older one
+                w.acks_expected &= {call.id, *(c.id for c in w.calls)}
+        self._act(Settled(call))
+
+    def _forget_queued(self, call: CallRecord) -> None:
+        """A call settled while in the pool's queue: drop it there, at once where it is at an
+        end of the queue (a lone cancel, a timeout), else once such calls make up half of
+        it (a group's or the close's cancel settles many: one pass for all of them)."""
+        call._queued = False
+        queue = self.queue
+        if queue and queue[0] is call:
+            queue.popleft()
+        elif queue and queue[-1] is call:
+            queue.pop()
+        else:
+            self._settled_in_queue += 1
+        self._compact_queue()
+
+    def _compact_queue(self) -> None:
+        """Drop the settled calls from the queue once they are half of it."""
+        queue = self.queue
+        if self._settled_in_queue and self._settled_in_queue * 2 >= len(queue):
+            live = [c for c in queue if c._queued]
+            queue.clear()
+            queue.extend(live)
+            self._settled_in_queue = 0
+
+    def _record_cause(self, call: CallRecord, cause: CancelCause) -> None:
+        """The first cause wins; ``disposed`` takes priority over a user or parent cancel
+        in classification (C5.3)."""
+        if call._cause is None:
+            call._cause = cause
+            call._times["cancel_requested"] = self.now
+        elif cause.kind == "disposed" and call._cause.kind in ("user", "parent"):
+            call._cause = cause
+
+    def _abort_queued(self, call: CallRecord, cause: CancelCause) -> None:
+        """A call no worker has is cancelled: it settles at once, never started (C4.4)."""
+        self._record_cause(call, cause)
+        self._settle_unstarted(call, call._cause or cause)
+
+    def _settle_unstarted(self, call: CallRecord, cause: CancelCause) -> None:
+        if cause.kind == "timeout":
+            self._settle(
+                call,
+                Outcome.TIMEOUT,
+                error=TIMEOUT_TEXT,
+                error_name="TimeoutError",
+                body_started=False,
+            )
+        else:
+            self._settle(
+                call,
+                Outcome.ABORTED_BEFORE_DISPATCH,
+                error=ABORTED_BEFORE_DISPATCH_TEXT,
+                error_name=ABORT_ERROR_NAME,
+                body_started=False,
+            )
+
+    def _fail_queue(self) -> None:
+        """The pool is broken: every queued call settles as lost, never started."""
+        queue = self.queue
+        while queue:
+            call = queue[0]
+            if call._result is not None:
+                queue.popleft()
+                continue
+            self._settle(  # (drops it from the queue)
+                call,
+                Outcome.WORKER_LOST,
+                error=f"{WORKER_LOST_TEXT}: {self.broken}",
+                error_name="WorkerStartError",
+                body_started=False,
+            )
+        self._settled_in_queue = 0
+
+    def _raise_rung(self, call: CallRecord, rung: Rung) -> None:
+        if RUNG_ORDER[rung] > RUNG_ORDER[call._rung]:
+            call._rung = rung
+
+    def _received(self, w: WorkerRecord, msg: ResultMessage) -> functools.partial[None]:
+        """w's next result arrived (or was found in its ledger): check it is for the call w
+        runs, and return what settles that call."""
+        call = w.call
+        if call is None or call.id != msg.call_id:
+            raise ProtocolViolation(f"result for call {msg.call_id}, which it does not own")
+        w.results += 1
+        max_frame = self.config.max_frame
+        value = unpack_value(msg.value, max_frame) if msg.value is not None else None
+        now = call._times["returned"] = self.now
+        if msg.body_started:
+            call._started = True
+            started_at = msg.extras.get("started_at")
+            if "started" not in call._times and started_at is not None:
+                # The worker's monotonic clock is this one (same host); trust it only within
+                # what this side saw.
+                call._times["started"] = min(max(started_at, call._times["dispatched"]), now)
+        output = msg.extras.get("output")
+        return functools.partial(
+            self._settle,
+            call,
+            Outcome(msg.outcome),
+            value=value,
+            error=msg.error,
+            error_name=msg.error_name,
+            body_started=msg.body_started,
+            context=msg.context,
+            cpu_time=msg.extras.get("cpu_time"),
+            max_rss=msg.extras.get("max_rss"),
+            output=None if output is None else output.decode("utf-8", "replace"),
+            output_dropped=msg.extras.get("output_dropped", 0),
+            tree_max_memory=self.probe.peak(w.wid),
+        )
+
+    # ------------------------------------------------------------------ post-mortem
+
+    def _settle_calls_of_dead(self, w: WorkerRecord) -> list[CallRecord]:
+        """Settle the calls w held when it died (its kept results are settled first); return
+        those never taken up, to run elsewhere (in order).
+
+        Only its first call can have been taken up: w takes a call only once the result of
+        the one before is in the supervisor's hands or in its ledger. The calls behind it run
+        elsewhere (or, cancelled, settle as never started). The ledger's marks say whether
+        the first one was taken up and its body invoked; they are the worker's own word,
+        believed only where they are consistent with what this side saw, and never to run a
+        call again more than once.
+        """
+        ledger = self._read_ledger(w)
+        calls = list(w.calls)
+        w.calls.clear()
+        if not calls:
+            return []
+        head = calls[0]
+        taken: bool
+        started: bool | None = None
+        maybe: list[CallRecord] = []  # behind the first, and may have run too
+        named = 0
+        if ledger is not None:
+            named = next((i for i, c in enumerate(calls[1:], 1) if ledger[0] == c.id + 1), 0)
+        if head._started:
+            taken, started = True, True
+        elif ledger is None or "sigterm" in head._times:
+            # No ledger; or w did not answer a cancel of its first call within the grace
+            # period, which an idle worker always does (it withdraws a call not taken up).
+            taken = True
+        elif ledger[0] == head.id + 1:
+            taken, started = True, ledger[1] == head.id + 1
+        elif named:
+            # Names a call behind the first, which w takes up only once the result before
+            # it is here or in its ledger; none arrived, or its ledger's are not believed (a
+            # violator's). Either the marks lie or this side did not see what was there:
+            # every call up to the one named may have run. None is run again, and none is
+            # said not to have started.
+            taken = True
+            maybe = calls[1 : named + 1]
+        else:
+            # Not taken up, by the marks. But if it was already put back once this way, the
+            # marks are suspect: it is not run a third time (a cancelled one settles below).
+            taken = head._requeued and head._cause is None
+        requeue: list[CallRecord] = []
+        for call in calls[1 + len(maybe) :] if taken else calls:
+            call._worker = None
+            if call._cause is not None:  # never taken up, and cancelled meanwhile
+                call._rung = Rung.CANCEL
+                call._times.pop("sigterm", None)
+                call._times.pop("sigkill", None)
+                self._settle_unstarted(call, call._cause)
+            else:
+                requeue.append(call)
+        if taken:
+            for step, rung in (("sigterm", Rung.SIGTERM), ("sigkill", Rung.SIGKILL)):
+                if step in w.signals:  # it died of them, whichever call they were sent for
+                    self._raise_rung(head, rung)
+                    head._times.setdefault(step, w.signals[step])
+            self._settle_dead(w, head, started)
+            for call in maybe:
+                self._settle_dead(w, call, None)
+        if requeue and requeue[0] is head:
+            head._requeued = True
+        return requeue
+
+    def _settle_dead(self, w: WorkerRecord, call: CallRecord, started: bool | None) -> None:
+        """call was (or may have been) taken up by w, whose tree is gone."""
+        call._times["reaped"] = self.now
+        if w.escalated and w.violation is None:
+            self._settle(
+                call,
+                Outcome.KILLED,
+                error=KILLED_TEXT,
+                error_name="Killed",
+                body_started=started,
+                exit_status=w.exit_status,
+                tree_verified=w.verified,
+            )
+            return
+        reason = (
+            w.violation
+            or w.lost_reason
+            or describe_exit(w.exit_status, w.disconnected, w.oom_kills, self.config.memory_cap)
+        )
+        if not w.verified:
+            reason += "; its tree could not be verified gone (no cgroup holds it)"
+        self._settle(
+            call,
+            Outcome.WORKER_LOST,
+            error=f"{WORKER_LOST_TEXT}: {reason}",
+            error_name="WorkerLost",
+            body_started=started,
+            exit_status=w.exit_status,
+            tree_verified=w.verified,
+        )
+
+    def _read_ledger(self, w: WorkerRecord) -> tuple[int, int] | None:
+        """Read w's ledger once it is gone: settle the calls whose results it kept there but
+        that never arrived (sent just before it died, or not sent); return its marks."""
+        found = self.probe.ledger(w.wid)
+        if found is None:
+            return None
+        marks, kept = found
+        if w.violated:
+            # Its messages stopped counting at the violation (C7: its call is lost), and so
+            # do the results it kept: a violator could forge one there, as its last word.
+            kept = []
+        for seq, frame in kept:
+            if seq != w.results + 1 or not w.calls:
+                continue  # received already (or out of turn: not what it sent)
+            try:
+                msg = decode_from_worker(frame, max_len=self.config.max_frame)
+                if not isinstance(msg, ResultMessage):
+                    raise ProtocolViolation(f"a {type(msg).__name__} in its ledger")
+                settle = self._received(w, msg)
+            except ProtocolViolation as exc:
+                _log.warning("worker %s: its ledger holds no valid result: %s", w.wid, exc)
+                break
+            settle()
+        return marks
+
+
+def describe_exit(
+    status: int | None, disconnected: bool = False, oom_kills: int = 0, cap: int | None = None
+) -> str:
+    """Why a worker ended, in words (for a ``worker_lost`` result)."""
+    if oom_kills and status == -signal.SIGKILL:
+        limit = f" of {_human_size(cap)}" if cap is not None else ""
+        return (
+            f"the worker was killed by SIGKILL: out of memory (its tree reached the memory "
+            f"cap{limit}; {oom_kills} OOM kill(s) in its cgroup)"
+        )
+    if disconnected and status == -signal.SIGKILL:
+        return "its connection dropped (an oversized frame?) and it was killed"
+    if status is None:
+        return "the worker died"
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        return f"the worker was killed by {name}"
+    return f"the worker exited with status {status}"

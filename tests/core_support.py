@@ -1,0 +1,70 @@
+"""Helpers for white-box tests of the pool's core (``toolpool.supervisor._core``): a probe
+that answers from plain dicts, and a core with workers already said hello."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toolpool.supervisor._core import PoolCore
+from toolpool.supervisor._records import Send, WorkerRecord
+from toolpool.supervisor._results import WorkerState
+from toolpool.supervisor._state import CoreConfig
+
+__all__ = ("FakeProbe", "core_with_workers", "sent")
+
+
+class FakeProbe:
+    """Ledger marks, kept results and cgroup members as the test sets them."""
+
+    def __init__(self) -> None:
+        self.marks_of: dict[int, tuple[int, int]] = {}
+        self.kept_of: dict[int, list[tuple[int, bytes]]] = {}
+        self.members_of: dict[int, int] = {}
+
+    def marks(self, wid: int) -> tuple[int, int] | None:
+        return self.marks_of.get(wid)
+
+    def ledger(self, wid: int) -> tuple[tuple[int, int], list[tuple[int, bytes]]] | None:
+        if wid not in self.marks_of:
+            return None
+        return self.marks_of.pop(wid), self.kept_of.pop(wid, [])
+
+    def other_members(self, wid: int, pid: int | None) -> int | None:
+        return self.members_of.get(wid)
+
+    def peak(self, wid: int) -> int | None:
+        return None
+
+    def reset_peak(self, wid: int) -> None:
+        pass
+
+
+def core_with_workers(
+    n: int, *, ready: bool = True, **config: Any
+) -> tuple[PoolCore, list[WorkerRecord], FakeProbe]:
+    """A running core with ``n`` workers that said hello (READY, in the ready list if
+    ``ready``), serving the tool ``noop`` (its body in a thread: calls may queue behind it)."""
+    options: dict[str, Any] = {"tools_spec": "fake:registry", "size": n, "prefetch": 16}
+    options.update(config)
+    probe = FakeProbe()
+    core = PoolCore(CoreConfig(**options), probe, lambda: b"secret")
+    core.starting = False
+    core.catalog["noop"] = {"name": "noop"}
+    core.threaded.add("noop")
+    workers = []
+    for wid in range(1, n + 1):
+        w = WorkerRecord(wid, b"secret")
+        w.state = WorkerState.READY
+        w.answered = True
+        w.pid = 1000 + wid
+        w.start_method = "fork"
+        core.workers[wid] = w
+        if ready:
+            core.ready.append(w)
+        workers.append(w)
+    return core, workers, probe
+
+
+def sent(actions: list[Any], wid: int) -> list[bytes]:
+    """The frames the actions send to worker ``wid``."""
+    return [f for a in actions if isinstance(a, Send) and a.wid == wid for f in a.frames]
