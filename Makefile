@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck check demo bench bench-smoke clean
+.PHONY: install test lint typecheck check demo bench bench-smoke sim clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 check: lint typecheck test
+
+# The pool's core over seeded random schedules: SIM_SCHEDULES=N make sim (SIM_SEED=first seed).
+sim: $(STAMP)
+	$(PY) tests/sim_world.py
 
 demo: $(STAMP)
 	$(PY) -m toolpool demo

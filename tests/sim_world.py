@@ -1,0 +1,712 @@
+"""Deterministic simulation of the pool's core (``toolpool.supervisor._core``).
+
+The core is driven through random schedules against a model of the world: worker processes
+that take calls in order, mark their ledger, run bodies that return, cooperate, ignore their
+signal, crash, or leave processes behind, answer cancels, recalls and shutdowns as the real
+worker does, and sometimes send garbage; a reaper whose reports come in their own order, and
+whose trees may outlive a worker's pid; the reaper's own death; and virtual time. After every
+step the contract's invariants are checked (``check``).
+
+A schedule is a seed plus a list of steps; steps name workers and calls by index modulo what
+exists, so any sub-list of a schedule is a schedule too. Replaying (seed, steps) is exact. A
+failing schedule is shrunk by deleting steps while it still fails, and printed with its seed.
+
+Run ``make sim`` (``SIM_SCHEDULES=N make sim`` for more schedules), or
+``python tests/sim_world.py --seed S`` to replay one seed; ``make test`` runs a short version
+(``tests/test_sim.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from core_support import FakeProbe
+from toolpool.core import CancelCause, Outcome
+from toolpool.protocol import (
+    PROTOCOL_VERSION,
+    Ack,
+    Call,
+    Cancel,
+    CancelAck,
+    Hello,
+    Pong,
+    Recall,
+    Resume,
+    Shutdown,
+    Started,
+    Withdrawn,
+    decode_from_supervisor,
+    encode,
+    pack_value,
+)
+from toolpool.protocol import Result as ResultMessage
+from toolpool.supervisor._core import PoolCore
+from toolpool.supervisor._records import (
+    CallRecord,
+    Clean,
+    Close,
+    GroupRecord,
+    Kill,
+    Orphaned,
+    RestartReaper,
+    Send,
+    Settled,
+    Spawn,
+    Terminate,
+)
+from toolpool.supervisor._records import Started as StartedAction
+from toolpool.supervisor._state import CoreConfig
+
+#: Tools of the model: (name, body runs in a thread).
+TOOLS = {
+    "quick": True,  # returns at its first step
+    "slow": True,  # returns after a few steps
+    "coop": True,  # runs until cancelled, then ends aborted
+    "stubborn": True,  # ignores its signal and SIGTERM: only SIGKILL ends it
+    "crash": True,  # its worker process dies while it runs
+    "leaves": True,  # returns leaving a process behind (clean-up before settling)
+    "async": False,  # a cooperative async body: calls never queue behind it
+}
+CANCEL_GRACE = 1.0
+TERM_GRACE = 0.5
+START_TIMEOUT = 5.0
+
+
+class Violation(AssertionError):
+    """An invariant of the contract broke."""
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@dataclass
+class Body:
+    call_id: int
+    tool: str
+    steps: int = 0
+    cancelled: bool = False
+    invoked: bool = False
+
+
+@dataclass
+class FakeWorker:
+    wid: int
+    secret: bytes
+    pid: int
+    alive: bool = True  # the worker process
+    tree: bool = True  # any process of its tree (a lingering descendant keeps it True)
+    lingers: bool = False  # its tree outlives its pid until a 'tree' step
+    inbox: collections.deque[Any] = field(default_factory=collections.deque)
+    outbox: collections.deque[Any] = field(default_factory=collections.deque)
+    queue: list[Call] = field(default_factory=list)
+    current: Body | None = None
+    taken_mark: int = 0
+    invoked_mark: int = 0
+    kept: list[tuple[int, bytes]] = field(default_factory=list)
+    unkept: list[int] = field(default_factory=list)  # results it must see acknowledged
+    results: int = 0
+    acked: int = 0
+    holding: bool = False
+    shutdown: bool = False
+    violated: bool = False
+    exit_status: int | None = None
+
+
+class World:
+    """The model of workers and reaper the core is run against, and the invariant checks."""
+
+    def __init__(self, seed: int, *, workers: int, spares: int, prefetch: int) -> None:
+        self.rng = random.Random(seed)
+        self.now = 1000.0
+        self.probe = FakeProbe()
+        config = CoreConfig(
+            tools_spec="sim:registry",
+            size=workers,
+            warm_spares=spares,
+            prefetch=prefetch,
+            cancel_grace=CANCEL_GRACE,
+            term_grace=TERM_GRACE,
+            start_timeout=START_TIMEOUT,
+            max_start_failures=1000,
+        )
+        self.secrets = iter(range(1, 1 << 30))
+        self.core = PoolCore(config, self.probe, lambda: b"s%032d" % next(self.secrets))
+        self.workers: dict[int, FakeWorker] = {}
+        self.reports: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.reaper_up = True
+        self.calls: list[CallRecord] = []  # every call submitted, in order
+        self.groups: list[GroupRecord] = [GroupRecord() for _ in range(3)]
+        self.group_cancelled_at: dict[int, float] = {}
+        self.settled: dict[int, int] = collections.Counter()
+        self.invoked_by: dict[int, list[int]] = collections.defaultdict(list)  # call -> wids
+        self.sent_after_group_cancel: list[int] = []
+        self.next_id = 1
+        self.steps = 0
+        self.closing = False
+        self.pids = iter(range(20000, 1 << 30))
+
+    # ---- the core's side
+
+    def flush(self) -> None:
+        for _ in range(10_000):
+            actions = self.core.flush(self.now)
+            if not actions:
+                break
+            for action in actions:
+                self.perform(action)
+        self.check()
+
+    def perform(self, action: Any) -> None:
+        core = self.core
+        if isinstance(action, Spawn):
+            w = FakeWorker(action.wid, action.secret, next(self.pids))
+            w.lingers = self.rng.random() < 0.2
+            self.workers[action.wid] = w
+            self.probe.marks_of[action.wid] = (0, 0)
+            tools = [{"name": n, "runs_in_thread": t} for n, t in TOOLS.items()]
+            w.outbox.append(Hello(PROTOCOL_VERSION, w.pid, action.secret, tools, {}))
+            self.reports.append(("spawned", action.wid, w.pid))
+        elif isinstance(action, Send):
+            w = self.workers[action.wid]
+            if not w.alive and action.calls and self.rng.random() < 0.5:
+                core.send_failed(action.wid, action.calls, self.now)
+                return
+            for frame in action.frames:
+                msg = decode_from_supervisor(frame)
+                if isinstance(msg, Call):
+                    call = self.calls[msg.call_id - 1]
+                    group = call._group
+                    if group is not None and id(group) in self.group_cancelled_at:
+                        self.sent_after_group_cancel.append(call.id)
+                if w.alive:
+                    w.inbox.append(msg)
+        elif isinstance(action, Terminate | Kill):
+            w = self.workers[action.wid]
+            self.check_signal(w, action)
+            if isinstance(action, Terminate):
+                body = w.current
+                if body is not None and body.tool == "stubborn":
+                    return  # it ignores SIGTERM
+                self.die(w, -15)
+            else:
+                self.die(w, -9)
+        elif isinstance(action, Clean):
+            self.reports.append(("cleaned", action.wid, 1))
+        elif isinstance(action, Orphaned):
+            w = self.workers[action.wid]
+            # The shell kills the tree through its cgroup and waits until it is empty.
+            w.alive = w.tree = False
+            self.reports.append(("orphan_gone", action.wid, self.rng.random() < 0.8))
+        elif isinstance(action, RestartReaper):
+            self.reports.append(("reaper_ready",))
+        elif isinstance(action, Settled):
+            self.on_settled(action.call)
+        elif isinstance(action, StartedAction):
+            if not self.invoked_by.get(action.call.id):
+                raise Violation(f"call {action.call.id} reported started, never invoked")
+        elif isinstance(action, Close):
+            pass
+
+    def die(self, w: FakeWorker, status: int) -> None:
+        """w's process ends (its tree may linger); the reaper reports it."""
+        if not w.alive:
+            return
+        w.alive = False
+        w.exit_status = status
+        w.tree = w.lingers
+        if self.reaper_up:
+            self.reports.append(("exited", w.wid, status))
+            if not w.tree:
+                self.reports.append(("gone", w.wid))
+
+    # ---- steps
+
+    def step(self, step: tuple[Any, ...]) -> None:
+        self.steps += 1
+        kind = step[0]
+        core = self.core
+        live = [w for w in self.workers.values() if w.wid in core.workers]
+        if kind == "submit":
+            _, tool_i, group_i, timeout_i = step
+            if self.closing or core.broken is not None:
+                return
+            tool = list(TOOLS)[tool_i % len(TOOLS)]
+            group = self.groups[group_i] if group_i < len(self.groups) else None
+            call = CallRecord(self.next_id, tool, pack_value({}), group, self.now)
+            self.next_id += 1
+            self.calls.append(call)
+            timeout = (None, None, None, 0.3, 2.0)[timeout_i % 5]
+            core.submit(call, timeout=timeout, now=self.now)
+        elif kind == "cancel":
+            _, k, force = step
+            open_calls = [c for c in self.calls if c._result is None]
+            if open_calls:
+                call = open_calls[k % len(open_calls)]
+                core.cancel(call, CancelCause("user"), force=bool(force), now=self.now)
+        elif kind == "gcancel":
+            group = self.groups[step[1] % len(self.groups)]
+            if group._controller.cancel(None):
+                self.group_cancelled_at[id(group)] = self.now
+                core.cancel_group(group, CancelCause("user"), self.now)
+        elif kind == "deliver" and live:
+            w = live[step[1] % len(live)]
+            if w.outbox:
+                self.deliver(w)
+        elif kind == "work" and live:
+            self.work(live[step[1] % len(live)])
+        elif kind == "report":
+            self.report()
+        elif kind == "tree" and live:
+            w = live[step[1] % len(live)]
+            if not w.alive and w.tree and self.reaper_up:
+                w.tree = False
+                self.reports.append(("gone", w.wid))
+        elif kind == "crash" and live:
+            self.die(live[step[1] % len(live)], -9)
+        elif kind == "garbage" and live:
+            w = live[step[1] % len(live)]
+            if w.alive:
+                w.violated = True
+                choice = step[2] % 3
+                if choice == 0:
+                    core.violation(w.wid, "protocol violation: garbage", self.now)
+                elif choice == 1:
+                    w.outbox.append(Pong(1))
+                else:
+                    w.outbox.append(ResultMessage(10**9, "ok", None, None, None, True, {}, 0, {}))
+        elif kind == "reaper_lost":
+            if self.reaper_up:
+                self.reaper_up = False
+                # Its unsent reports die with it; its workers die (PDEATHSIG), their trees
+                # may not.
+                self.reports = collections.deque(r for r in self.reports if r[0] == "reaper_ready")
+                for w in self.workers.values():
+                    if w.alive:
+                        w.alive = False
+                        w.exit_status = -9
+                        w.tree = True
+                core.reaper_lost(self.now)
+        elif kind == "tick":
+            dt = (0.001, 0.006, 0.06, 0.3, 0.6, 1.1, 2.5)[step[1] % 7]
+            if dt >= TERM_GRACE:
+                # Messages on the wire reach a supervisor long before such a time passes (a
+                # worker's messages are in flight for microseconds): read them first.
+                for w in list(self.workers.values()):
+                    while w.outbox and w.wid in core.workers:
+                        self.deliver(w)
+                self.flush()
+            self.now += dt
+            core.timer(self.now)
+        self.flush()
+
+    def deliver(self, w: FakeWorker) -> None:
+        """The core reads w's next message (the shell does so whenever it arrives)."""
+        msg = w.outbox.popleft()
+        self.core.message(w.wid, msg, self.now, peer_pid=w.pid)
+
+    def report(self) -> None:
+        """The reaper's next report (the shell reads w's socket first, as it does)."""
+        if not self.reports:
+            return
+        report = self.reports.popleft()
+        core, kind = self.core, report[0]
+        if kind == "reaper_ready":
+            self.reaper_up = True
+            core.reaper_ready(self.now)
+            return
+        w = self.workers[report[1]]
+        if kind in ("exited", "gone", "orphan_gone"):
+            while w.outbox:
+                self.deliver(w)
+        if kind == "spawned":
+            core.spawned(w.wid, w.pid, "fork", self.now)
+        elif kind == "exited":
+            core.exited(w.wid, report[2], 0, self.now)
+        elif kind == "gone":
+            if w.tree or w.alive:
+                raise Violation(f"the model reported worker {w.wid} gone while alive")
+            self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
+            self.probe.kept_of[w.wid] = list(w.kept)
+            core.gone(w.wid, self.now)
+        elif kind == "orphan_gone":
+            self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
+            self.probe.kept_of[w.wid] = list(w.kept)
+            core.gone(w.wid, self.now, verified=report[2])
+        elif kind == "cleaned":
+            core.cleaned(w.wid, report[2], self.now)
+
+    def work(self, w: FakeWorker) -> None:
+        """w does one thing, as the real worker would: read a message, or move its call on."""
+        if not w.alive:
+            return
+        if w.inbox:
+            msg = w.inbox.popleft()
+            if isinstance(msg, Call):
+                w.acked = max(w.acked, msg.acked)
+                w.queue.append(msg)
+            elif isinstance(msg, Ack):
+                w.acked = max(w.acked, msg.results)
+            elif isinstance(msg, Cancel):
+                if w.current is not None and w.current.call_id == msg.call_id:
+                    w.current.cancelled = True
+                    w.outbox.append(CancelAck(msg.call_id))
+                else:
+                    self.withdraw(w, msg.call_id)
+            elif isinstance(msg, Recall):
+                self.withdraw(w, msg.call_id)
+            elif isinstance(msg, Resume):
+                w.holding = False
+            elif isinstance(msg, Shutdown):
+                w.shutdown = True
+                while w.queue:
+                    self.withdraw(w, w.queue[0].call_id)
+            return
+        body = w.current
+        if body is None:
+            if w.shutdown:
+                self.die(w, 0)
+                return
+            if w.queue and not w.holding and all(seq <= w.acked for seq in w.unkept):
+                msg = w.queue.pop(0)
+                w.current = Body(msg.call_id, msg.tool)
+                w.taken_mark = msg.call_id + 1
+                self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
+            return
+        call = self.calls[body.call_id - 1]
+        if not body.invoked:
+            if body.cancelled:
+                self.finish(w, "aborted_before_dispatch", started=False)
+                return
+            body.invoked = True
+            w.invoked_mark = body.call_id + 1
+            self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
+            self.invoked_by[call.id].append(w.wid)
+            if body.tool in ("slow", "coop", "stubborn", "async") and self.rng.random() < 0.7:
+                w.outbox.append(Started(body.call_id))
+            return
+        body.steps += 1
+        tool = body.tool
+        if tool == "crash":
+            self.die(w, 1)
+        elif tool == "quick" or (tool == "slow" and body.steps >= 3):
+            self.finish(w, "ok", started=True)
+        elif tool in ("coop", "async", "slow") and body.cancelled:
+            self.finish(w, "aborted", started=True)
+        elif tool == "leaves":
+            self.finish(w, "ok", started=True, leftovers=1)
+
+    def withdraw(self, w: FakeWorker, call_id: int) -> None:
+        for queued in w.queue:
+            if queued.call_id == call_id:
+                w.queue.remove(queued)
+                w.outbox.append(Withdrawn(call_id))
+                return
+
+    def finish(self, w: FakeWorker, outcome: str, *, started: bool, leftovers: int = 0) -> None:
+        body = w.current
+        assert body is not None
+        w.current = None
+        w.results += 1
+        keep = self.rng.random() < 0.8
+        extras: dict[str, Any] = {"kept": True} if keep else {}
+        error = None if outcome == "ok" else "Error: x"
+        value = pack_value(body.call_id) if outcome == "ok" else None
+        msg = ResultMessage(
+            body.call_id, outcome, value, error, None, started, {}, leftovers, extras
+        )
+        if keep:
+            w.kept.append((w.results, encode(msg)))
+        else:
+            w.unkept.append(w.results)
+        if leftovers:
+            w.holding = True
+        w.outbox.append(msg)
+
+    # ---- invariants
+
+    def on_settled(self, call: CallRecord) -> None:
+        self.settled[call.id] += 1
+        if self.settled[call.id] > 1:
+            raise Violation(f"call {call.id} settled twice")
+        result = call._result
+        if result is None:
+            raise Violation(f"call {call.id} settled without a result")
+        invoked = bool(self.invoked_by.get(call.id))
+        outcome = result.outcome
+        if outcome is Outcome.ABORTED_BEFORE_DISPATCH and invoked:
+            raise Violation(f"call {call.id} aborted_before_dispatch, but its body ran")
+        if outcome in (Outcome.OK, Outcome.ABORTED) and not invoked:
+            raise Violation(f"call {call.id} {outcome.value}, but its body never ran")
+        if result.body_started is True and not invoked:
+            raise Violation(f"call {call.id}: body_started True, never invoked")
+        if result.body_started is False and invoked:
+            raise Violation(f"call {call.id}: body_started False, but its body ran")
+        if outcome in (Outcome.KILLED, Outcome.WORKER_LOST) and result.body_started is not False:
+            wids = self.invoked_by.get(call.id) or []
+            for wid in wids[-1:]:
+                w = self.workers[wid]
+                if w.alive or w.tree:
+                    raise Violation(
+                        f"call {call.id} settled {outcome.value} while worker {wid}'s tree lives"
+                    )
+
+    def check_signal(self, w: FakeWorker, action: Any) -> None:
+        """A signal never reaches a worker whose current call nobody escalated."""
+        body = w.current
+        if body is None or not w.alive:
+            return
+        call = self.calls[body.call_id - 1]
+        core_w = self.core.workers.get(w.wid)
+        misbehaved = w.violated or (core_w is not None and core_w.violation is not None)
+        if call._cause is None and not misbehaved and not self.core.closing:
+            raise Violation(
+                f"{type(action).__name__} of worker {w.wid} while it runs call {call.id}, "
+                "which nobody cancelled"
+            )
+
+    def check(self) -> None:
+        core = self.core
+        if self.sent_after_group_cancel:
+            raise Violation(
+                f"calls sent after their group's cancel: {self.sent_after_group_cancel}"
+            )
+        for call_id, wids in self.invoked_by.items():
+            if len(wids) > 1:
+                raise Violation(f"call {call_id} ran {len(wids)} times: {wids}")
+        dead = sum(1 for c in core.queue if c._result is not None)
+        if dead > len(core.queue) - dead + 1:
+            raise Violation(f"the core's queue holds {dead} settled calls (of {len(core.queue)})")
+        held = set(core.calls)
+        for w in core.workers.values():
+            held.update(c.id for c in w.calls)
+        for call_id in self.settled:
+            if call_id in held:
+                raise Violation(f"the core still holds settled call {call_id}")
+        for call in self.calls:
+            if call._result is None and call.id not in core.calls:
+                raise Violation(f"call {call.id} is neither settled nor held")
+
+    # ---- the end
+
+    def close(self) -> None:
+        """Close the pool and run the world until every worker is gone; then check that
+        every call settled and no worker is left."""
+        core = self.core
+        self.closing = True
+        core.closing = True
+        for group in self.groups:
+            if group._controller.cancel(None):
+                core.cancel_group(group, CancelCause("disposed"), self.now)
+        core.close(self.now)
+        self.flush()
+        started = self.now
+        killed = False
+        for _ in range(20_000):
+            if not core.calls and not core.workers:
+                break
+            if core.calls:
+                pass
+            elif not killed:
+                core.retire_idle(self.now)
+                self.flush()
+            if not killed and self.now - started > TERM_GRACE + CANCEL_GRACE + 5:
+                core.kill_remaining(self.now)
+                killed = True
+                self.flush()
+            progressed = False
+            for w in list(self.workers.values()):
+                busy = w.outbox or w.inbox or w.current or w.queue or w.shutdown
+                if w.wid in core.workers and w.alive and busy:
+                    if w.outbox:
+                        self.deliver(w)
+                    else:
+                        self.work(w)
+                    progressed = True
+                    self.flush()
+            if self.reports:
+                self.report()
+                self.flush()
+                progressed = True
+            for w in self.workers.values():
+                if w.wid in core.workers and not w.alive and w.tree and self.reaper_up:
+                    w.tree = False
+                    self.reports.append(("gone", w.wid))
+                    progressed = True
+            self.now += 0.01 if progressed else 0.1  # a body that never ends: time goes on
+            core.timer(self.now)
+            self.flush()
+        unsettled = [c.id for c in self.calls if c._result is None]
+        if unsettled:
+            raise Violation(f"close left calls unsettled: {unsettled[:10]}")
+        if core.workers:
+            raise Violation(f"close left workers: {sorted(core.workers)}")
+
+
+# --------------------------------------------------------------------------- schedules
+
+STEP_KINDS = (
+    ("submit", 8),
+    ("work", 36),
+    ("deliver", 30),
+    ("report", 14),
+    ("tick", 8),
+    ("cancel", 4),
+    ("gcancel", 1),
+    ("tree", 3),
+    ("crash", 1),
+    ("garbage", 1),
+    ("reaper_lost", 0.3),
+)
+
+
+def make_schedule(seed: int, length: int) -> list[tuple[Any, ...]]:
+    rng = random.Random(seed * 7919 + 1)
+    kinds = [k for k, _ in STEP_KINDS]
+    weights = [w for _, w in STEP_KINDS]
+    steps: list[tuple[Any, ...]] = []
+    for kind in rng.choices(kinds, weights, k=length):
+        if kind == "submit":
+            steps.append((kind, rng.randrange(7), rng.randrange(5), rng.randrange(5)))
+        elif kind == "cancel":
+            steps.append((kind, rng.randrange(1000), rng.random() < 0.3))
+        elif kind == "garbage":
+            steps.append((kind, rng.randrange(8), rng.randrange(3)))
+        elif kind in ("report", "reaper_lost"):
+            steps.append((kind,))
+        else:
+            steps.append((kind, rng.randrange(1000)))
+    return steps
+
+
+def shape(seed: int) -> dict[str, int]:
+    rng = random.Random(seed)
+    return {
+        "workers": rng.choice((1, 2, 3)),
+        "spares": rng.choice((0, 0, 1)),
+        "prefetch": rng.choice((0, 2, 16)),
+    }
+
+
+def run(seed: int, steps: list[tuple[Any, ...]]) -> World:
+    """Replay one schedule exactly; raises :class:`Violation` where an invariant breaks."""
+    world = World(seed, **shape(seed))
+    world.core.start(world.now)
+    world.flush()
+    for _ in range(200):  # start-up: hellos and the reaper's reports
+        if world.core.ready_count() >= world.core.config.size + world.core.config.warm_spares:
+            break
+        for w in list(world.workers.values()):
+            while w.outbox:
+                world.deliver(w)
+        while world.reports:
+            world.report()
+        world.flush()
+    world.core.started()
+    for step in steps:
+        world.step(step)
+    world.close()
+    return world
+
+
+def shrink(seed: int, steps: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Delete steps while the schedule still fails (chunks first, then one by one)."""
+
+    def fails(candidate: list[tuple[Any, ...]]) -> bool:
+        try:
+            run(seed, candidate)
+        except Violation:
+            return True
+        return False
+
+    chunk = max(1, len(steps) // 2)
+    while chunk >= 1:
+        i = 0
+        while i < len(steps):
+            candidate = steps[:i] + steps[i + chunk :]
+            if fails(candidate):
+                steps = candidate
+            else:
+                i += chunk
+        chunk //= 2
+    return steps
+
+
+@dataclass
+class Summary:
+    schedules: int = 0
+    steps: int = 0
+    settled: int = 0
+    outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
+    failures: list[tuple[int, str, list[tuple[Any, ...]]]] = field(default_factory=list)
+
+
+def simulate(
+    first_seed: int, schedules: int, length: int, *, stop_at_first: bool = True
+) -> Summary:
+    logging.getLogger("toolpool").setLevel(logging.CRITICAL)  # the core's lifecycle lines
+    summary = Summary()
+    for seed in range(first_seed, first_seed + schedules):
+        steps = make_schedule(seed, length)
+        try:
+            world = run(seed, steps)
+        except Violation as exc:
+            shrunk = shrink(seed, steps)
+            summary.failures.append((seed, str(exc), shrunk))
+            if stop_at_first:
+                break
+            continue
+        summary.schedules += 1
+        summary.steps += world.steps
+        summary.settled += len(world.settled)
+        for call in world.calls:
+            if call._result is not None:
+                summary.outcomes[call._result.outcome.value] += 1
+    return summary
+
+
+def report(summary: Summary) -> str:
+    lines = [
+        f"{summary.schedules} schedules, {summary.steps} steps, {summary.settled} calls "
+        f"settled, invariants checked after every step",
+        "outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.outcomes.items())),
+    ]
+    for seed, error, shrunk in summary.failures:
+        lines.append(f"FAILED seed {seed}: {error}")
+        lines.append(f"  replay: python tests/sim_world.py --seed {seed}")
+        lines.append(f"  shrunk to {len(shrunk)} steps: {shrunk}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--schedules", type=int, default=int(os.environ.get("SIM_SCHEDULES", "500"))
+    )
+    parser.add_argument("--steps", type=int, default=int(os.environ.get("SIM_STEPS", "300")))
+    parser.add_argument("--seed", type=int, default=None, help="replay this seed only")
+    parser.add_argument("--first-seed", type=int, default=int(os.environ.get("SIM_SEED", "0")))
+    args = parser.parse_args()
+    logging.getLogger("toolpool").setLevel(logging.CRITICAL)  # the core's lifecycle lines
+    began = time.monotonic()
+    if args.seed is not None:
+        summary = simulate(args.seed, 1, args.steps)
+    else:
+        summary = simulate(args.first_seed, args.schedules, args.steps)
+    print(report(summary))
+    print(f"in {time.monotonic() - began:.1f} s")
+    return 1 if summary.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
