@@ -1028,6 +1028,7 @@ async def test_a_workers_fatal_read_only_after_its_tree_is_reported_gone_still_c
     socket's I/O thread lagging behind the reaper). The traceback must still be reported:
     the socket stays open and read until the fatal is in, or the wait for it ends."""
     import toolpool.supervisor._pool as pool_module
+    import toolpool.supervisor._workerio as workerio
 
     read, on_event = pool_module.Pool._read, pool_module.Pool._on_reaper_event
     gone_reported: set[int] = set()
@@ -1049,7 +1050,7 @@ async def test_a_workers_fatal_read_only_after_its_tree_is_reported_gone_still_c
                 pool._on_readable(io)  # what arrived meanwhile is read (the reader's next turn)
 
     async def no_disconnect_watch(pool: Any, io: Any) -> None:
-        with pool_module._scope(io):  # (its read would take the fatal before the gone report)
+        with workerio.scope(io):  # (its read would take the fatal before the gone report)
             await anyio.sleep_forever()
 
     monkeypatch.setattr(pool_module.Pool, "_read", lagging_read)

@@ -20,9 +20,9 @@ import toolpool
 from pool_support import FakeWorkerSocket
 from toolpool import Outcome
 from toolpool.protocol import Call, Result, Started, decode_from_supervisor, encode, pack_value
-from toolpool.supervisor._pool import _WorkerIO
 from toolpool.supervisor._records import WorkerRecord
 from toolpool.supervisor._results import WorkerState
+from toolpool.supervisor._workerio import WorkerIO
 
 CALLS = 3000  # several times Python's default recursion limit, in calls
 
@@ -49,7 +49,7 @@ async def test_serving_a_fast_worker_does_not_nest_per_call(anyio_backend: str) 
     pool = toolpool.Pool("toolpool.testing.examples:registry", workers=1)
     sock = _InstantWorker()
     with tempfile.TemporaryFile() as ledger:
-        io = _WorkerIO(1, "ipc://fake", sock, os.dup(ledger.fileno()))  # type: ignore[arg-type]
+        io = WorkerIO(1, "ipc://fake", sock, os.dup(ledger.fileno()))  # type: ignore[arg-type]
         pool._io[1] = io
         core = pool._core
         w = WorkerRecord(1, b"secret")

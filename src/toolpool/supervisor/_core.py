@@ -226,6 +226,10 @@ class PoolCore(Lifecycle):
             elif kind == "respawn":
                 self._respawn_due()
 
+    def due(self) -> bool:
+        """Whether ``flush`` has anything to do or return."""
+        return bool(self._out) or self._dispatch_due or bool(self._procs)
+
     def flush(self, now: float) -> list[Action]:
         """Run what the events so far made due; return the actions to perform, in order."""
         self.now = now

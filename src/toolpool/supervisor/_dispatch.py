@@ -14,6 +14,7 @@ from ._settlement import Settlement
 
 __all__ = ("QUEUE_BEHIND_FOR", "Dispatch")
 
+_new_send = tuple.__new__  # a Send without its Python-level __new__ (the hot path)
 _DISPOSED: Final = CancelCause("disposed")
 _PARENT: Final = CancelCause("parent")
 
@@ -69,15 +70,18 @@ class Dispatch(Settlement):
             call._worker = w
             call._state = CallState.SENT
             batches.setdefault(w, []).append(call)
-        self._compact_queue()  # (what went out may leave it mostly settled calls)
+        if self._settled_in_queue:
+            self._compact_queue()  # (what went out may leave it mostly settled calls)
+        out = self._out
         for w, calls in batches.items():
             # One multipart message per worker: one wake-up of zmq's I/O thread for all of
             # them (each part is one 'call' frame).
             frames = [encode(CallMessage(c.id, c.tool, c._args, w.results)) for c in calls]
             for call in calls:
                 call._times["dispatched"] = now
-            self._act(Send(w.wid, frames, tuple(calls)))
-        self._steal(now)
+            out.append(_new_send(Send, (w.wid, frames, tuple(calls))))
+        if self.config.prefetch:
+            self._steal(now)
 
     def _pick(self, now: float) -> WorkerRecord | None:
         """The worker for the next queued call: an idle one (within the warm-spare limit),

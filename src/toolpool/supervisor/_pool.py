@@ -10,16 +10,12 @@ of a new reaper after the old one died.
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import math
 import os
 import secrets
 import shutil
 import signal
-import struct
-import sys
 import tempfile
 import time
 import weakref
@@ -31,7 +27,7 @@ import anyio
 import anyio.abc
 import zmq
 
-from .._transport import fd_of, on_readable, readable
+from .._transport import readable
 from ..core import (
     CancelCause,
     ConfigurationError,
@@ -42,16 +38,13 @@ from ..core import (
 )
 from ..protocol import (
     DEFAULT_MAX_FRAME,
-    ProtocolViolation,
-    decode_from_worker,
     pack_value,
 )
-from ..protocol._ledger import LEDGER_SIZE, read_ledger, read_marks
 from ..reaper import ReaperClient
 from ..sandbox import Profile, parse_size
-from ..sandbox import _cgroups as cgroups
-from ..sandbox._cgroups import CgroupSet, others_listed
+from ..sandbox._cgroups import CgroupSet
 from ._calls import Call, Group, await_call
+from ._channels import Channels
 from ._containment import containment_report, supervisor_layers, warn_inactive_layers
 from ._core import PoolCore
 from ._dispatch import QUEUE_BEHIND_FOR
@@ -74,8 +67,13 @@ from ._records import (
     Started,
     Terminate,
 )
-from ._results import ContainmentReport, Result, Statistics, WorkerState
+from ._results import ContainmentReport, Result, Statistics
 from ._state import CoreConfig
+from ._workerio import (
+    KILL_WAIT,
+    WorkerFiles,
+    WorkerIO,
+)
 
 __all__ = (
     "EXIT_TOOLS_FAILED",
@@ -99,68 +97,10 @@ StartMethod = Literal["fork", "spawn"]
 #: results held back and 32 ledger slots of 32 KiB) took no-op throughput from 19.5k to 23k
 #: calls/s against prefetch 8 (docs/performance.md, "What bought what").
 DEFAULT_PREFETCH: Final = 16
-#: How long closing waits for a worker's tree to go after SIGKILL before it reports it.
-_KILL_WAIT: Final = 30.0
-
-
-class _WorkerIO:
-    """What the shell holds for one worker: its socket, files and directories."""
-
-    __slots__ = (
-        "cleanup",
-        "endpoint",
-        "groups",
-        "kill_dir",
-        "ledger_fd",
-        "members_fd",
-        "members_file",
-        "peak_fd",
-        "scopes",
-        "sock",
-        "wid",
-    )
-
-    def __init__(self, wid: int, endpoint: str, sock: zmq.Socket[bytes], ledger_fd: int) -> None:
-        self.wid = wid
-        self.endpoint = endpoint
-        self.sock = sock
-        self.ledger_fd: int | None = ledger_fd  # its ledger file, read with pread
-        self.members_file: str | None = None  # its cgroup's cgroup.procs: who is in its tree
-        self.members_fd: int | None = None  # the same, kept open (v2: pread re-reads it)
-        self.peak_fd: int | None = None  # its cgroup's peak memory file, kept open
-        self.kill_dir: str | None = None  # its v2 cgroup
-        self.groups: list[str] = []  # its cgroup directories
-        self.cleanup: list[str] = []  # what to remove once its tree is gone
-        self.scopes: list[anyio.CancelScope] = []
-
-    def close_files(self) -> None:
-        """Close its files and end its tasks (the reader closes the socket as it ends)."""
-        for name in ("peak_fd", "members_fd", "ledger_fd"):
-            fd = getattr(self, name)
-            if fd is not None:
-                os.close(fd)
-                setattr(self, name, None)
-        for scope in self.scopes:
-            scope.cancel()
-
-    def close(self) -> None:
-        self.close_files()
-        if not self.sock.closed:
-            # Stop the monitor before anything closes: libzmq's I/O thread blocks for good
-            # on a monitor event whose reader is gone, freezing every socket of the context.
-            try:
-                self.sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            try:
-                anyio.notify_closing(fd_of(self.sock))
-            except Exception:
-                pass
-            self.sock.close(linger=0)
 
 
 @final
-class Pool:
+class Pool(Channels):
     """A pool of worker processes running the tools of one registry.
 
     ``tools`` is ``"module:attribute"`` naming a :class:`toolpool.Registry` importable in the
@@ -271,6 +211,7 @@ class Pool:
         self.capture_output = parse_size(capture_output)
         if self.capture_output is not None and self.capture_output > max_frame // 2:
             raise ValueError("capture_output must be at most half of max_frame")
+        self._files = WorkerFiles()
         self._core = PoolCore(
             CoreConfig(
                 tools_spec=tools,
@@ -285,7 +226,7 @@ class Pool:
                 allow_background=self.allow_background,
                 memory_cap=profile.memory,
             ),
-            self,  # the probe: the ledger and cgroup files it holds open
+            self._files,  # the probe: the ledger and cgroup files it holds open
             lambda: secrets.token_hex(32).encode(),
         )
         self._cgroups: CgroupSet | None = None
@@ -295,8 +236,8 @@ class Pool:
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._dir: str | None = None
         self._reaper: ReaperClient | None = None
-        self._io: dict[int, _WorkerIO] = {}
-        self._closing: set[_WorkerIO] = set()  # gone, their sockets not closed yet
+        self._io = self._files.ios  # by worker id
+        self._closing: set[WorkerIO] = set()  # gone, their sockets not closed yet
         self._groups: weakref.WeakSet[Group] = weakref.WeakSet()
         self._call_ids = 0
         self._pumping = False
@@ -305,6 +246,7 @@ class Pool:
         self._closed_event: anyio.Event | None = None
         self._changed: anyio.Event | None = None
         self._fork_warned = False
+        self._reaper_closing = False  # the close asked the reaper to exit
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -368,20 +310,6 @@ class Pool:
         core.started()
         self._state = "running"
 
-    async def _start_reaper(self) -> ReaperClient:
-        reaper = ReaperClient(self._on_reaper_event)
-        await reaper.start(self.start_timeout)
-        if self.start_method == "fork":  # the reaper imports while we set up the rest
-            paths = self._worker_env(None)["PYTHONPATH"].split(os.pathsep)
-            reaper.preload(paths)
-        return reaper
-
-    def _owned(self) -> list[str]:
-        """The pool's directories, for the reaper to remove should the supervisor die."""
-        assert self._dir is not None
-        bases = sorted(set(self._cgroups.base.values())) if self._cgroups else []
-        return [self._dir, *bases]
-
     async def aclose(self) -> None:
         """Cancel every call with cause ``disposed`` and stop every worker (CONTRACT C5.3).
 
@@ -431,9 +359,10 @@ class Pool:
             await self._wait_all_gone()
         core.kill_remaining(time.monotonic())
         self._pump()
-        with anyio.move_on_after(_KILL_WAIT):
+        with anyio.move_on_after(KILL_WAIT):
             await self._wait_all_gone()
         if self._reaper is not None:
+            self._reaper_closing = True  # its end is no loss now
             await self._reaper.aclose()
         for io in [*self._io.values(), *self._closing]:
             io.close()
@@ -618,27 +547,30 @@ class Pool:
                 actions = core.flush(time.monotonic())
                 if not actions:
                     break
-                sent_to = self._perform(actions)
-                for io in sent_to:
+                more = False
+                for io in self._perform(actions):
                     if not io.sock.closed and readable(io.sock):
                         self._read(io)
+                        more = True
+                if not more and not core.due():
+                    break  # (nothing read, nothing new: the next flush would be empty)
         finally:
             self._pumping = False
         when = core.next_deadline()
         if when is not None and when < self._clock_at and self._clock_wake is not None:
             self._clock_wake.set()
 
-    def _perform(self, actions: list[Action]) -> list[_WorkerIO]:
+    def _perform(self, actions: list[Action]) -> list[WorkerIO]:
         """Perform the core's actions in order; return the workers sent to."""
-        sent_to: list[_WorkerIO] = []
+        sent_to: list[WorkerIO] = []
         core = self._core
         reaper = self._reaper if core.reaper_up else None
         for action in actions:
             kind = type(action)
             if kind is Settled:
-                cast(Call, cast(Settled, action).call)._wake()
+                action[0]._wake()  # type: ignore[union-attr,misc]
             elif kind is Send:
-                send = cast(Send, action)
+                send: Send = action  # type: ignore[assignment]
                 io = self._io.get(send.wid)
                 try:
                     if io is None or io.sock.closed:
@@ -655,7 +587,7 @@ class Pool:
                 if io not in sent_to:
                     sent_to.append(io)
             elif kind is Started:
-                cast(Call, cast(Started, action).call)._wake_started()
+                action[0]._wake_started()  # type: ignore[union-attr,misc]
             elif kind is Changed:
                 if self._changed is not None:
                     self._changed.set()
@@ -693,339 +625,6 @@ class Pool:
                 self._tg.start_soon(self._restart_reaper)
         return sent_to
 
-    # ------------------------------------------------------------------ the probe
-
-    def marks(self, wid: int) -> tuple[int, int] | None:
-        io = self._io.get(wid)
-        if io is None or io.ledger_fd is None:
-            return None
-        try:
-            data = os.pread(io.ledger_fd, 16, 0)
-        except OSError:
-            return None
-        return read_marks(data)
-
-    def ledger(self, wid: int) -> tuple[tuple[int, int], list[tuple[int, bytes]]] | None:
-        io = self._io.get(wid)
-        if io is None or io.ledger_fd is None:
-            return None
-        fd, io.ledger_fd = io.ledger_fd, None
-        try:
-            data = os.pread(fd, LEDGER_SIZE, 0)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        taken, invoked, kept = read_ledger(data)
-        return (taken, invoked), kept
-
-    def other_members(self, wid: int, pid: int | None) -> int | None:
-        """How many processes other than the worker its cgroup lists (1 us with the v2 file
-        kept open; about 10 us opening it)."""
-        io = self._io.get(wid)
-        if io is None:
-            return None
-        try:
-            if io.members_fd is not None:
-                listed = os.pread(io.members_fd, 1 << 16, 0)
-            elif io.members_file is not None:
-                with open(io.members_file, "rb") as f:
-                    listed = f.read()
-            else:
-                return None
-        except OSError:
-            return 0
-        return others_listed(listed, pid)
-
-    def peak(self, wid: int) -> int | None:
-        io = self._io.get(wid)
-        if io is None or io.peak_fd is None:
-            return None
-        try:
-            return int(os.pread(io.peak_fd, 64, 0))
-        except (OSError, ValueError):
-            return None
-
-    def reset_peak(self, wid: int) -> None:
-        """Start the tree's peak memory afresh (cgroup v1: writing 0 resets it)."""
-        io = self._io.get(wid)
-        if io is not None and io.peak_fd is not None:
-            try:
-                os.pwrite(io.peak_fd, b"0", 0)
-            except OSError:
-                pass
-
-    # ------------------------------------------------------------------ workers
-
-    def _spawn(self, wid: int, secret: bytes) -> None:
-        assert self._ctx is not None
-        assert self._dir is not None
-        assert self._reaper is not None
-        assert self._tg is not None
-        # Its own directory (0700, root's until the worker takes it for its uid): no other
-        # worker can reach the socket, whatever the umask, even before this one connects.
-        sock_dir = os.path.join(self._dir, f"w{wid}")
-        os.mkdir(sock_dir, 0o700)
-        endpoint = f"ipc://{sock_dir}/sock"
-        ledger = os.path.join(sock_dir, "ledger")
-        ledger_fd = os.open(ledger, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        os.ftruncate(ledger_fd, LEDGER_SIZE)
-        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.PAIR)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
-        sock.bind(endpoint)
-        io = _WorkerIO(wid, endpoint, sock, ledger_fd)
-        self._io[wid] = io
-        profile = self.profile
-        io.cleanup = [sock_dir]
-        procs: list[str] = []
-        if self._cgroups is not None and self._cgroups.base:
-            wc = self._cgroups.for_worker(
-                wid, memory=profile.memory, max_processes=profile.max_processes
-            )
-            procs = wc.procs_files
-            io.kill_dir = wc.kill_dir
-            io.groups = sorted(set(wc.dirs.values()))
-            if io.kill_dir is not None:  # v2 regenerates cgroup.procs on each read from 0
-                io.members_file = os.path.join(io.kill_dir, "cgroup.procs")
-                io.members_fd = os.open(io.members_file, os.O_RDONLY | os.O_CLOEXEC)
-            elif procs:  # v1 caches the list per open file: open it each time
-                io.members_file = procs[0]
-            io.cleanup.extend(io.groups)
-            memory_dir = wc.dirs.get("memory", "/nonexistent")
-            peak = os.path.join(memory_dir, "memory.max_usage_in_bytes")
-            if os.path.exists(peak):
-                # Kept open: a write and a read per call cost 1 us so, 20 us opening it each
-                # time. (Where writing resets the peak per open file, this is also the file.)
-                # Where it cannot be reset, no peak is reported: it would not be the call's.
-                try:
-                    io.peak_fd = os.open(peak, os.O_RDWR | os.O_CLOEXEC)
-                except OSError:
-                    io.peak_fd = None
-        scratch: str | None = None
-        if profile.scratch_dir:
-            scratch = os.path.join(self._dir, f"scratch-w{wid}")
-            os.mkdir(scratch, 0o700)
-            io.cleanup.append(scratch)
-        argv = [
-            sys.executable,
-            "-m",
-            "toolpool.worker",
-            "--endpoint",
-            endpoint,
-            "--tools",
-            self.tools_spec,
-            "--parent-pid",
-            str(self._reaper.pid),
-            "--max-frame",
-            str(self.max_frame),
-            "--profile",
-            json.dumps(profile.to_wire()),
-            "--cgroup-procs",
-            ",".join(procs),
-            "--capture",
-            str(self.capture_output or 0),
-            "--ledger",
-            ledger,
-            "--members",
-            io.members_file if io.members_fd is not None and io.members_file else "",
-        ]
-        if self.allow_background:
-            argv.append("--allow-background")
-        self._reaper.spawn(
-            wid,
-            argv,
-            env=self._worker_env(scratch),
-            stdin=secret + b"\n",
-            output=self.worker_output,
-            cwd=scratch,
-            cgroup=io.kill_dir,
-            groups=io.groups,
-            cleanup=io.cleanup,
-            start=self.start_method,
-        )
-        self._tg.start_soon(self._serve_worker, io)
-        self._tg.start_soon(self._watch_disconnect, io)
-
-    def _worker_env(self, scratch: str | None) -> dict[str, str]:
-        env = dict(os.environ) if self._env is None else dict(self._env)
-        allow = self.profile.env_allowlist
-        if allow is not None:
-            env = {k: env[k] for k in allow if k in env}
-        paths = [p or os.getcwd() for p in sys.path]
-        if env.get("PYTHONPATH"):
-            paths.append(env["PYTHONPATH"])
-        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        if scratch is not None:
-            env["TMPDIR"] = scratch
-            if allow is not None:
-                env["HOME"] = scratch
-        return env
-
-    async def _serve_worker(self, io: _WorkerIO) -> None:
-        """Read the worker's messages until it is gone (its ``Close`` cancels this)."""
-        fd = fd_of(io.sock)
-        try:
-            with _scope(io), on_readable(fd, functools.partial(self._on_readable, io)) as on:
-                self._on_readable(io)
-                if on:  # asyncio: messages are handled right in the reader callback
-                    await anyio.sleep_forever()
-                while not io.sock.closed:
-                    await anyio.wait_readable(fd)
-                    self._on_readable(io)
-        finally:
-            if io.wid not in self._io:  # gone (else: closing the pool closes it)
-                io.close()
-                self._closing.discard(io)
-
-    def _on_readable(self, io: _WorkerIO) -> None:
-        if not io.sock.closed:
-            self._read(io)
-            self._pump()
-
-    def _read(self, io: _WorkerIO) -> None:
-        """Hand the core every message readable on the worker's socket (no actions yet)."""
-        sock = io.sock
-        core = self._core
-        wid = io.wid
-        max_frame = self.max_frame
-        while not sock.closed and readable(sock):
-            w = core.workers.get(wid)
-            peer_pid: int | None = None
-            if w is not None and w.state is WorkerState.SPAWNING:
-                # Its hello: note who really sent it.
-                zframe = sock.recv(zmq.NOBLOCK, copy=False)
-                peer_pid = _peer_pid(zframe)
-                frames = [zframe.bytes]
-            else:
-                # All parts of one message (results held back come as one): one check of
-                # the socket's events per message, not per frame (each costs zmq a look at
-                # its command mailbox, a good part of a quick call's cost).
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            now = time.monotonic()
-            for frame in frames:
-                try:
-                    msg = decode_from_worker(frame, max_len=max_frame)
-                except ProtocolViolation as exc:
-                    core.violation(wid, f"protocol violation: {exc}", now)
-                    continue
-                try:
-                    core.message(wid, msg, now, peer_pid=peer_pid)
-                except Exception as exc:  # a gap in the core must never take the pool down
-                    _log.exception("worker %s: unexpected error handling its message", wid)
-                    core.violation(wid, f"protocol violation: {type(exc).__name__}: {exc}", now)
-
-    async def _watch_disconnect(self, io: _WorkerIO) -> None:
-        """Notice a dropped connection (an oversized frame makes zmq disconnect the peer).
-
-        Only the worker's own connection counts: the first one accepted (the worker connects
-        before any tool code runs; a PAIR socket refuses a second peer while it has one). A
-        stranger that connects and leaves cannot get the worker killed.
-        """
-        monitor = io.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        own_fd: int | None = None
-        fd = fd_of(monitor)
-        try:
-            with _scope(io):
-                while not io.sock.closed:
-                    while readable(monitor):
-                        frames = monitor.recv_multipart(zmq.NOBLOCK)
-                        event, value = struct.unpack("=HI", frames[0][:6])
-                        if event == zmq.EVENT_ACCEPTED:
-                            if own_fd is None:
-                                own_fd = value
-                            continue
-                        if value != own_fd:
-                            _log.warning("worker %s: a stranger connected to its socket", io.wid)
-                            continue
-                        if event == zmq.EVENT_DISCONNECTED and not io.sock.closed:
-                            self._read(io)  # take what it sent before the drop
-                            self._core.disconnected(io.wid, time.monotonic())
-                            self._pump()
-                    await anyio.wait_readable(fd)
-        finally:
-            # Disable the monitor before its reader closes (see _WorkerIO.close); if the
-            # worker's socket is already closed, that disabled it first.
-            try:
-                if not io.sock.closed:
-                    io.sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            monitor.close(linger=0)
-
-    # ------------------------------------------------------------------ the reaper
-
-    def _on_reaper_event(self, event: dict[str, Any]) -> None:
-        kind = event.get("ev")
-        core = self._core
-        now = time.monotonic()
-        if kind == "lost":
-            core.reaper_lost(now)
-            self._pump()
-            return
-        wid = int(event.get("wid", 0))
-        io = self._io.get(wid)
-        if kind == "spawned":
-            core.spawned(wid, int(event["pid"]), str(event.get("method", "spawn")), now)
-        elif kind == "fork_unavailable":
-            if not self._fork_warned:
-                self._fork_warned = True
-                _log.warning("workers are spawned, not forked: %s", event.get("reason"))
-        elif kind == "spawn_failed":
-            core.spawn_failed(wid, str(event.get("error")), now)
-        elif kind == "exited":
-            if io is not None:
-                self._read(io)  # its 'fatal' may already be here
-            core.exited(wid, int(event["status"]), int(event.get("oom_kills", 0)), now)
-        elif kind == "gone":
-            if io is not None:
-                self._read(io)  # what it sent before it died counts
-            core.gone(wid, now)
-        elif kind == "cleaned":
-            core.cleaned(wid, int(event.get("count", 0)), now)
-        elif kind == "stuck":
-            _log.error("worker %s: its cgroup would not empty; still trying", wid)
-        self._pump()
-
-    async def _end_orphan(self, wid: int) -> None:
-        """The reaper died: end worker ``wid``'s tree without it and report it gone. With a
-        cgroup the tree is killed through it and verified empty; without one, only the
-        worker's own death can be seen (the result says its tree was not verified)."""
-        io = self._io.get(wid)
-        w = self._core.workers.get(wid)
-        verified = False
-        if io is not None and io.groups:
-            verified = await anyio.to_thread.run_sync(_empty_cgroups, io.kill_dir, io.groups)
-        if w is not None and w.pid is not None:
-            with anyio.move_on_after(_KILL_WAIT):
-                await _wait_pid_gone(w.pid)
-        if io is not None:
-            if verified:
-                for path in reversed(io.cleanup):
-                    _remove_dir(path)
-            self._read(io)  # what it sent before it died counts
-        self._core.gone(wid, time.monotonic(), verified=verified)
-        self._pump()
-
-    async def _restart_reaper(self) -> None:
-        """Every worker of the dead reaper is gone: start a new one (its old client and
-        socket are done)."""
-        old, self._reaper = self._reaper, None
-        if old is not None:
-            await old.aclose()
-        try:
-            reaper = await self._start_reaper()
-        except Exception as exc:
-            self._core.reaper_failed(f"{type(exc).__name__}: {exc}", time.monotonic())
-            self._pump()
-            return
-        self._reaper = reaper
-        reaper.own(self._owned())
-        if self._tg is not None:
-            self._tg.start_soon(reaper.run)
-        self._core.reaper_ready(time.monotonic())
-        self._pump()
-
     # ------------------------------------------------------------------ the clock
 
     async def _clock(self) -> None:
@@ -1051,79 +650,3 @@ def _check_count(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         what = "a positive" if minimum == 1 else "a non-negative"
         raise ValueError(f"{name} must be {what} integer, got {value!r}")
-
-
-def _peer_pid(frame: zmq.Frame) -> int | None:
-    """The pid of the process that sent ``frame`` over ipc (libzmq reports the peer's
-    credentials as ``localhost:uid:gid:pid`` where the kernel gives them), or None."""
-    try:
-        address = frame.get("Peer-Address")
-    except zmq.ZMQError:
-        return None
-    if not isinstance(address, str):
-        return None
-    tail = address.rpartition(":")[2]
-    return int(tail) if tail.isdigit() and address.count(":") == 3 else None
-
-
-def _empty_cgroups(kill_dir: str | None, groups: list[str]) -> bool:
-    """Kill every process in a worker's cgroups (v2: ``cgroup.kill``; v1: each member) until
-    none is left; True once they are verified empty (blocking: run in a thread)."""
-    deadline = time.monotonic() + _KILL_WAIT
-    while time.monotonic() < deadline:
-        if kill_dir is not None:
-            cgroups.cgroup_kill(kill_dir)
-            cgroups.wait_empty(kill_dir, 0.2)
-        members = cgroups.members(groups)
-        if not members and (kill_dir is None or not cgroups.populated(kill_dir)):
-            return True
-        for pid in members:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.002)  # a killed process leaves its cgroup once it has exited
-    return False
-
-
-def _remove_dir(path: str) -> None:
-    if os.path.exists(os.path.join(path, "cgroup.procs")):
-        cgroups.remove(path)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-async def _wait_pid_gone(pid: int) -> None:
-    """Wait until ``pid`` no longer names a live process (it is not our child).
-
-    A pidfd becomes readable when the process dies; without pidfd support, poll.
-    """
-    import psutil
-
-    try:
-        pidfd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        pidfd = None
-    if pidfd is not None:
-        try:
-            await anyio.wait_readable(pidfd)
-        finally:
-            os.close(pidfd)
-        return
-    delay = 0.001
-    while True:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return
-        except psutil.NoSuchProcess:
-            return
-        await anyio.sleep(delay)  # no event exists for a non-child's death without pidfd
-        delay = min(delay * 2, 0.05)
-
-
-def _scope(io: _WorkerIO) -> anyio.CancelScope:
-    scope = anyio.CancelScope()
-    io.scopes.append(scope)
-    if io.sock.closed:
-        scope.cancel()
-    return scope

@@ -35,6 +35,7 @@ __all__ = ("Settlement", "describe_exit")
 
 _log = logging.getLogger("toolpool.supervisor")
 
+_new_settled = tuple.__new__
 _NO_CONTEXT: Final[Mapping[str, Any]] = MappingProxyType({})  # read-only: one serves all
 _DISPOSED: Final = CancelCause("disposed")
 RUNG_ORDER: Final = {Rung.NONE: 0, Rung.CANCEL: 1, Rung.SIGTERM: 2, Rung.SIGKILL: 3}
@@ -114,7 +115,7 @@ class Settlement(CoreState):
                 w.calls.remove(call)
             if w.acks_expected:  # an ack may still be on its way for this call, no older one
                 w.acks_expected &= {call.id, *(c.id for c in w.calls)}
-        self._act(Settled(call))
+        self._out.append(_new_settled(Settled, (call,)))  # (tuple.__new__: the hot path)
 
     def _forget_queued(self, call: CallRecord) -> None:
         """A call settled while in the pool's queue: drop it there, at once where it is at an

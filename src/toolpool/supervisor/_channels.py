@@ -1,0 +1,308 @@
+"""The shell's channels: starting a worker (its socket, files, the reaper's spawn), reading
+what it sends, watching its connection; the reaper's reports; and, after the reaper died,
+ending its workers' trees without it and starting a new one. Each turns what happens into
+an event of the core (``_core.py``) and lets the pool perform what the core asks
+(``Pool._pump``)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import struct
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import anyio
+import anyio.abc
+import zmq
+
+from .._transport import fd_of, on_readable, readable
+from ..protocol import ProtocolViolation, decode_from_worker
+from ..reaper import ReaperClient
+from ..sandbox import Profile
+from ..sandbox._cgroups import CgroupSet
+from ._core import PoolCore
+from ._results import WorkerState
+from ._workerio import (
+    KILL_WAIT,
+    WorkerIO,
+    empty_cgroups,
+    open_worker,
+    peer_pid,
+    remove_dir,
+    scope,
+    wait_pid_gone,
+    worker_env,
+)
+
+__all__ = ("Channels",)
+
+_log = logging.getLogger("toolpool.supervisor")
+
+
+class Channels:
+    """The part of :class:`toolpool.Pool` that talks to its workers and its reaper."""
+
+    # (the pool's, set in Pool.__init__ and Pool.start)
+    tools_spec: str
+    max_frame: int
+    start_timeout: float
+    start_method: str
+    profile: Profile
+    allow_background: bool
+    capture_output: int | None
+    worker_output: str
+    _env: Mapping[str, str] | None
+    _core: PoolCore
+    _io: dict[int, WorkerIO]
+    _closing: set[WorkerIO]
+    _ctx: zmq.Context[zmq.Socket[bytes]] | None
+    _dir: str | None
+    _cgroups: CgroupSet | None
+    _reaper: ReaperClient | None
+    _tg: anyio.abc.TaskGroup | None
+    _fork_warned: bool
+    _reaper_closing: bool
+
+    def _pump(self) -> None:
+        raise NotImplementedError
+
+    async def _start_reaper(self) -> ReaperClient:
+        reaper = ReaperClient(self._on_reaper_event)
+        await reaper.start(self.start_timeout)
+        if self.start_method == "fork":  # the reaper imports while we set up the rest
+            paths = worker_env(self._env, self.profile, None)["PYTHONPATH"].split(os.pathsep)
+            reaper.preload(paths)
+        return reaper
+
+    def _owned(self) -> list[str]:
+        """The pool's directories, for the reaper to remove should the supervisor die."""
+        assert self._dir is not None
+        bases = sorted(set(self._cgroups.base.values())) if self._cgroups else []
+        return [self._dir, *bases]
+
+    # ------------------------------------------------------------------ workers
+
+    def _spawn(self, wid: int, secret: bytes) -> None:
+        assert self._ctx is not None
+        assert self._dir is not None
+        assert self._reaper is not None
+        assert self._tg is not None
+        profile = self.profile
+        io = open_worker(
+            self._ctx,
+            self._dir,
+            wid,
+            max_frame=self.max_frame,
+            profile=profile,
+            cgroup_set=self._cgroups,
+        )
+        self._io[wid] = io
+        argv = [
+            sys.executable,
+            "-m",
+            "toolpool.worker",
+            "--endpoint",
+            io.endpoint,
+            "--tools",
+            self.tools_spec,
+            "--parent-pid",
+            str(self._reaper.pid),
+            "--max-frame",
+            str(self.max_frame),
+            "--profile",
+            json.dumps(profile.to_wire()),
+            "--cgroup-procs",
+            ",".join(io.procs),
+            "--capture",
+            str(self.capture_output or 0),
+            "--ledger",
+            io.ledger,
+            "--members",
+            io.members_file if io.members_fd is not None and io.members_file else "",
+        ]
+        if self.allow_background:
+            argv.append("--allow-background")
+        self._reaper.spawn(
+            wid,
+            argv,
+            env=worker_env(self._env, profile, io.scratch),
+            stdin=secret + b"\n",
+            output=self.worker_output,
+            cwd=io.scratch,
+            cgroup=io.kill_dir,
+            groups=io.groups,
+            cleanup=io.cleanup,
+            start=self.start_method,
+        )
+        self._tg.start_soon(self._serve_worker, io)
+        self._tg.start_soon(self._watch_disconnect, io)
+
+    async def _serve_worker(self, io: WorkerIO) -> None:
+        """Read the worker's messages until it is gone (its ``Close`` cancels this)."""
+        fd = fd_of(io.sock)
+        try:
+            with scope(io), on_readable(fd, functools.partial(self._on_readable, io)) as on:
+                self._on_readable(io)
+                if on:  # asyncio: messages are handled right in the reader callback
+                    await anyio.sleep_forever()
+                while not io.sock.closed:
+                    await anyio.wait_readable(fd)
+                    self._on_readable(io)
+        finally:
+            if io.wid not in self._io:  # gone (else: closing the pool closes it)
+                io.close()
+                self._closing.discard(io)
+
+    def _on_readable(self, io: WorkerIO) -> None:
+        if not io.sock.closed:
+            self._read(io)
+            self._pump()
+
+    def _read(self, io: WorkerIO) -> None:
+        """Hand the core every message readable on the worker's socket (no actions yet)."""
+        sock = io.sock
+        core = self._core
+        wid = io.wid
+        max_frame = self.max_frame
+        while not sock.closed and readable(sock):
+            w = core.workers.get(wid)
+            sender: int | None = None
+            if w is not None and w.state is WorkerState.SPAWNING:
+                # Its hello: note who really sent it.
+                zframe = sock.recv(zmq.NOBLOCK, copy=False)
+                sender = peer_pid(zframe)
+                frames = [zframe.bytes]
+            else:
+                # All parts of one message (results held back come as one): one check of
+                # the socket's events per message, not per frame (each costs zmq a look at
+                # its command mailbox, a good part of a quick call's cost).
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            now = time.monotonic()
+            for frame in frames:
+                try:
+                    msg = decode_from_worker(frame, max_len=max_frame)
+                except ProtocolViolation as exc:
+                    core.violation(wid, f"protocol violation: {exc}", now)
+                    continue
+                try:
+                    core.message(wid, msg, now, peer_pid=sender)
+                except Exception as exc:  # a gap in the core must never take the pool down
+                    _log.exception("worker %s: unexpected error handling its message", wid)
+                    core.violation(wid, f"protocol violation: {type(exc).__name__}: {exc}", now)
+
+    async def _watch_disconnect(self, io: WorkerIO) -> None:
+        """Notice a dropped connection (an oversized frame makes zmq disconnect the peer).
+
+        Only the worker's own connection counts: the first one accepted (the worker connects
+        before any tool code runs; a PAIR socket refuses a second peer while it has one). A
+        stranger that connects and leaves cannot get the worker killed.
+        """
+        monitor = io.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        own_fd: int | None = None
+        fd = fd_of(monitor)
+        try:
+            with scope(io):
+                while not io.sock.closed:
+                    while readable(monitor):
+                        frames = monitor.recv_multipart(zmq.NOBLOCK)
+                        event, value = struct.unpack("=HI", frames[0][:6])
+                        if event == zmq.EVENT_ACCEPTED:
+                            if own_fd is None:
+                                own_fd = value
+                            continue
+                        if value != own_fd:
+                            _log.warning("worker %s: a stranger connected to its socket", io.wid)
+                            continue
+                        if event == zmq.EVENT_DISCONNECTED and not io.sock.closed:
+                            self._read(io)  # take what it sent before the drop
+                            self._core.disconnected(io.wid, time.monotonic())
+                            self._pump()
+                    await anyio.wait_readable(fd)
+        finally:
+            # Disable the monitor before its reader closes (see WorkerIO.close); if the
+            # worker's socket is already closed, that disabled it first.
+            try:
+                if not io.sock.closed:
+                    io.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(linger=0)
+
+    # ------------------------------------------------------------------ the reaper
+
+    def _on_reaper_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("ev")
+        core = self._core
+        now = time.monotonic()
+        if kind == "lost":
+            if not self._reaper_closing:
+                core.reaper_lost(now)
+            self._pump()
+            return
+        wid = int(event.get("wid", 0))
+        io = self._io.get(wid)
+        if kind == "spawned":
+            core.spawned(wid, int(event["pid"]), str(event.get("method", "spawn")), now)
+        elif kind == "fork_unavailable":
+            if not self._fork_warned:
+                self._fork_warned = True
+                _log.warning("workers are spawned, not forked: %s", event.get("reason"))
+        elif kind == "spawn_failed":
+            core.spawn_failed(wid, str(event.get("error")), now)
+        elif kind == "exited":
+            if io is not None:
+                self._read(io)  # its 'fatal' may already be here
+            core.exited(wid, int(event["status"]), int(event.get("oom_kills", 0)), now)
+        elif kind == "gone":
+            if io is not None:
+                self._read(io)  # what it sent before it died counts
+            core.gone(wid, now)
+        elif kind == "cleaned":
+            core.cleaned(wid, int(event.get("count", 0)), now)
+        elif kind == "stuck":
+            _log.error("worker %s: its cgroup would not empty; still trying", wid)
+        self._pump()
+
+    async def _end_orphan(self, wid: int) -> None:
+        """The reaper died: end worker ``wid``'s tree without it and report it gone. With a
+        cgroup the tree is killed through it and verified empty; without one, only the
+        worker's own death can be seen (the result says its tree was not verified)."""
+        io = self._io.get(wid)
+        w = self._core.workers.get(wid)
+        verified = False
+        if io is not None and io.groups:
+            verified = await anyio.to_thread.run_sync(empty_cgroups, io.kill_dir, io.groups)
+        if w is not None and w.pid is not None:
+            with anyio.move_on_after(KILL_WAIT):
+                await wait_pid_gone(w.pid)
+        if io is not None:
+            if verified:
+                for path in reversed(io.cleanup):
+                    remove_dir(path)
+            self._read(io)  # what it sent before it died counts
+        self._core.gone(wid, time.monotonic(), verified=verified)
+        self._pump()
+
+    async def _restart_reaper(self) -> None:
+        """Every worker of the dead reaper is gone: start a new one (its old client and
+        socket are done)."""
+        old, self._reaper = self._reaper, None
+        if old is not None:
+            await old.aclose()
+        try:
+            reaper = await self._start_reaper()
+        except Exception as exc:
+            self._core.reaper_failed(f"{type(exc).__name__}: {exc}", time.monotonic())
+            self._pump()
+            return
+        self._reaper = reaper
+        reaper.own(self._owned())
+        if self._tg is not None:
+            self._tg.start_soon(reaper.run)
+        self._core.reaper_ready(time.monotonic())
+        self._pump()

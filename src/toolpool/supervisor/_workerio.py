@@ -1,0 +1,320 @@
+"""What the shell holds for each worker: its socket, its ledger and cgroup files, its
+directories; the core's :class:`~._state.Probe` over them; and ending a worker's tree without
+the reaper (after the reaper died)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from typing import Final
+
+import anyio
+import zmq
+
+from .._transport import fd_of
+from ..protocol._ledger import LEDGER_SIZE, read_ledger, read_marks
+from ..sandbox import Profile
+from ..sandbox import _cgroups as cgroups
+from ..sandbox._cgroups import CgroupSet, others_listed
+
+__all__ = (
+    "KILL_WAIT",
+    "WorkerFiles",
+    "WorkerIO",
+    "empty_cgroups",
+    "open_worker",
+    "peer_pid",
+    "remove_dir",
+    "scope",
+    "wait_pid_gone",
+    "worker_env",
+)
+
+#: How long to wait for a worker's tree to go after SIGKILL before giving up on it (seconds).
+KILL_WAIT: Final = 30.0
+
+
+class WorkerIO:
+    """One worker's socket, files and directories."""
+
+    __slots__ = (
+        "cleanup",
+        "endpoint",
+        "groups",
+        "kill_dir",
+        "ledger",
+        "ledger_fd",
+        "members_fd",
+        "members_file",
+        "peak_fd",
+        "procs",
+        "scopes",
+        "scratch",
+        "sock",
+        "wid",
+    )
+
+    def __init__(
+        self, wid: int, endpoint: str, sock: zmq.Socket[bytes], ledger_fd: int | None
+    ) -> None:
+        self.wid = wid
+        self.endpoint = endpoint
+        self.sock = sock
+        self.ledger = ""  # its ledger file's path
+        self.ledger_fd: int | None = ledger_fd  # its ledger file, read with pread
+        self.members_file: str | None = None  # its cgroup's cgroup.procs: who is in its tree
+        self.members_fd: int | None = None  # the same, kept open (v2: pread re-reads it)
+        self.peak_fd: int | None = None  # its cgroup's peak memory file, kept open
+        self.kill_dir: str | None = None  # its v2 cgroup
+        self.groups: list[str] = []  # its cgroup directories
+        self.procs: list[str] = []  # the cgroup.procs files it joins first thing
+        self.scratch: str | None = None  # its working directory
+        self.cleanup: list[str] = []  # what to remove once its tree is gone
+        self.scopes: list[anyio.CancelScope] = []
+
+    def close_files(self) -> None:
+        """Close its files and end its tasks (the reader closes the socket as it ends)."""
+        for name in ("peak_fd", "members_fd", "ledger_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)
+        for s in self.scopes:
+            s.cancel()
+
+    def close(self) -> None:
+        self.close_files()
+        if not self.sock.closed:
+            # Stop the monitor before anything closes: libzmq's I/O thread blocks for good
+            # on a monitor event whose reader is gone, freezing every socket of the context.
+            try:
+                self.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            try:
+                anyio.notify_closing(fd_of(self.sock))
+            except Exception:
+                pass
+            self.sock.close(linger=0)
+
+
+def open_worker(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    pool_dir: str,
+    wid: int,
+    *,
+    max_frame: int,
+    profile: Profile,
+    cgroup_set: CgroupSet | None,
+) -> WorkerIO:
+    """Make a new worker's directory, socket, ledger, cgroups and scratch directory."""
+    # Its own directory (0700, root's until the worker takes it for its uid): no other
+    # worker can reach the socket, whatever the umask, even before this one connects.
+    sock_dir = os.path.join(pool_dir, f"w{wid}")
+    os.mkdir(sock_dir, 0o700)
+    endpoint = f"ipc://{sock_dir}/sock"
+    ledger = os.path.join(sock_dir, "ledger")
+    ledger_fd = os.open(ledger, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    os.ftruncate(ledger_fd, LEDGER_SIZE)
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
+    sock.bind(endpoint)
+    io = WorkerIO(wid, endpoint, sock, ledger_fd)
+    io.ledger = ledger
+    io.cleanup = [sock_dir]
+    if cgroup_set is not None and cgroup_set.base:
+        wc = cgroup_set.for_worker(wid, memory=profile.memory, max_processes=profile.max_processes)
+        io.procs = wc.procs_files
+        io.kill_dir = wc.kill_dir
+        io.groups = sorted(set(wc.dirs.values()))
+        if io.kill_dir is not None:  # v2 regenerates cgroup.procs on each read from 0
+            io.members_file = os.path.join(io.kill_dir, "cgroup.procs")
+            io.members_fd = os.open(io.members_file, os.O_RDONLY | os.O_CLOEXEC)
+        elif io.procs:  # v1 caches the list per open file: open it each time
+            io.members_file = io.procs[0]
+        io.cleanup.extend(io.groups)
+        memory_dir = wc.dirs.get("memory", "/nonexistent")
+        peak = os.path.join(memory_dir, "memory.max_usage_in_bytes")
+        if os.path.exists(peak):
+            # Kept open: a write and a read per call cost 1 us so, 20 us opening it each
+            # time. (Where writing resets the peak per open file, this is also the file.)
+            # Where it cannot be reset, no peak is reported: it would not be the call's.
+            try:
+                io.peak_fd = os.open(peak, os.O_RDWR | os.O_CLOEXEC)
+            except OSError:
+                io.peak_fd = None
+    if profile.scratch_dir:
+        io.scratch = os.path.join(pool_dir, f"scratch-w{wid}")
+        os.mkdir(io.scratch, 0o700)
+        io.cleanup.append(io.scratch)
+    return io
+
+
+def worker_env(
+    env: Mapping[str, str] | None, profile: Profile, scratch: str | None
+) -> dict[str, str]:
+    """A worker's environment: ``env`` (default: this process's) through the profile's
+    allowlist, with this process's ``sys.path`` as ``PYTHONPATH``."""
+    out = dict(os.environ) if env is None else dict(env)
+    allow = profile.env_allowlist
+    if allow is not None:
+        out = {k: out[k] for k in allow if k in out}
+    paths = [p or os.getcwd() for p in sys.path]
+    if out.get("PYTHONPATH"):
+        paths.append(out["PYTHONPATH"])
+    out["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    if scratch is not None:
+        out["TMPDIR"] = scratch
+        if allow is not None:
+            out["HOME"] = scratch
+    return out
+
+
+class WorkerFiles:
+    """The core's probe: what it reads of live workers, from the files kept open for them."""
+
+    def __init__(self) -> None:
+        self.ios: dict[int, WorkerIO] = {}
+
+    def marks(self, wid: int) -> tuple[int, int] | None:
+        io = self.ios.get(wid)
+        if io is None or io.ledger_fd is None:
+            return None
+        try:
+            data = os.pread(io.ledger_fd, 16, 0)
+        except OSError:
+            return None
+        return read_marks(data)
+
+    def ledger(self, wid: int) -> tuple[tuple[int, int], list[tuple[int, bytes]]] | None:
+        io = self.ios.get(wid)
+        if io is None or io.ledger_fd is None:
+            return None
+        fd, io.ledger_fd = io.ledger_fd, None
+        try:
+            data = os.pread(fd, LEDGER_SIZE, 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        taken, invoked, kept = read_ledger(data)
+        return (taken, invoked), kept
+
+    def other_members(self, wid: int, pid: int | None) -> int | None:
+        """How many processes other than the worker its cgroup lists (1 us with the v2 file
+        kept open; about 10 us opening it)."""
+        io = self.ios.get(wid)
+        if io is None:
+            return None
+        try:
+            if io.members_fd is not None:
+                listed = os.pread(io.members_fd, 1 << 16, 0)
+            elif io.members_file is not None:
+                with open(io.members_file, "rb") as f:
+                    listed = f.read()
+            else:
+                return None
+        except OSError:
+            return 0
+        return others_listed(listed, pid)
+
+    def peak(self, wid: int) -> int | None:
+        io = self.ios.get(wid)
+        if io is None or io.peak_fd is None:
+            return None
+        try:
+            return int(os.pread(io.peak_fd, 64, 0))
+        except (OSError, ValueError):
+            return None
+
+    def reset_peak(self, wid: int) -> None:
+        """Start the tree's peak memory afresh (cgroup v1: writing 0 resets it)."""
+        io = self.ios.get(wid)
+        if io is not None and io.peak_fd is not None:
+            try:
+                os.pwrite(io.peak_fd, b"0", 0)
+            except OSError:
+                pass
+
+
+def peer_pid(frame: zmq.Frame) -> int | None:
+    """The pid of the process that sent ``frame`` over ipc (libzmq reports the peer's
+    credentials as ``localhost:uid:gid:pid`` where the kernel gives them), or None."""
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    if not isinstance(address, str):
+        return None
+    tail = address.rpartition(":")[2]
+    return int(tail) if tail.isdigit() and address.count(":") == 3 else None
+
+
+def empty_cgroups(kill_dir: str | None, groups: list[str]) -> bool:
+    """Kill every process in a worker's cgroups (v2: ``cgroup.kill``; v1: each member) until
+    none is left; True once they are verified empty (blocking: run it in a thread)."""
+    deadline = time.monotonic() + KILL_WAIT
+    while time.monotonic() < deadline:
+        if kill_dir is not None:
+            cgroups.cgroup_kill(kill_dir)
+            cgroups.wait_empty(kill_dir, 0.2)
+        members = cgroups.members(groups)
+        if not members and (kill_dir is None or not cgroups.populated(kill_dir)):
+            return True
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.002)  # a killed process leaves its cgroup once it has exited
+    return False
+
+
+def remove_dir(path: str) -> None:
+    """Remove one of a worker's directories: a cgroup (rmdir), or a plain one."""
+    if os.path.exists(os.path.join(path, "cgroup.procs")):
+        cgroups.remove(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+async def wait_pid_gone(pid: int) -> None:
+    """Wait until ``pid`` no longer names a live process (it is not our child).
+
+    A pidfd becomes readable when the process dies; without pidfd support, poll.
+    """
+    import psutil
+
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    if pidfd is not None:
+        try:
+            await anyio.wait_readable(pidfd)
+        finally:
+            os.close(pidfd)
+        return
+    delay = 0.001
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        await anyio.sleep(delay)  # no event exists for a non-child's death without pidfd
+        delay = min(delay * 2, 0.05)
+
+
+def scope(io: WorkerIO) -> anyio.CancelScope:
+    """A cancel scope that ends with the worker (``close_files``)."""
+    s = anyio.CancelScope()
+    io.scopes.append(s)
+    if io.sock.closed:
+        s.cancel()
+    return s
