@@ -261,17 +261,18 @@ class Settlement(CoreState):
         elif ledger[0] == head.id + 1:
             taken, started = True, ledger[1] == head.id + 1
         elif named:
+            taken = True
+        else:
+            # Not taken up, by the marks. But if it was already put back once this way, the
+            # marks are suspect: it is not run a third time (a cancelled one settles below).
+            taken = head._requeued and head._cause is None
+        if taken and named:
             # Names a call behind the first, which w takes up only once the result before
             # it is here or in its ledger; none arrived, or its ledger's are not believed (a
             # violator's). Either the marks lie or this side did not see what was there:
             # every call up to the one named may have run. None is run again, and none is
             # said not to have started.
-            taken = True
             maybe = calls[1 : named + 1]
-        else:
-            # Not taken up, by the marks. But if it was already put back once this way, the
-            # marks are suspect: it is not run a third time (a cancelled one settles below).
-            taken = head._requeued and head._cause is None
         requeue: list[CallRecord] = []
         for call in calls[1 + len(maybe) :] if taken else calls:
             call._worker = None
