@@ -1684,7 +1684,8 @@ def test_catalog_and_describe_are_json_schema() -> None:
     async def add(values: list[float], options: dict[str, bool]) -> float:
         return sum(values)
 
-    catalog = registry.catalog()
+    assert list(registry.catalog) == ["read_file", "sum"]
+    catalog = list(registry.catalog.values())
     assert json.loads(json.dumps(catalog)) == catalog
     assert catalog == [
         {
@@ -1719,9 +1720,24 @@ def test_catalog_and_describe_are_json_schema() -> None:
             },
         },
     ]
-    assert registry.tools["sum"].describe() == catalog[1]
+    assert registry.tools["sum"].describe() == catalog[1] == registry.catalog["sum"]
     assert registry.tools["sum"].is_async
     assert not registry.tools["read_file"].is_async
+
+
+def test_calling_the_catalog_still_works_but_is_deprecated() -> None:
+    registry = Registry()
+
+    @registry.tool
+    def one() -> int:
+        return 1
+
+    with pytest.warns(DeprecationWarning, match=r"registry\.catalog\(\) is deprecated"):
+        listed = registry.catalog()
+    assert listed == list(registry.catalog.values())
+    assert listed == [registry.tools["one"].describe()]
+    with pytest.raises(TypeError):
+        registry.catalog["two"] = {}  # type: ignore[index]
 
 
 def test_registration_errors() -> None:
