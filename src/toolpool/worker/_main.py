@@ -202,8 +202,13 @@ def load_registry(spec: str) -> Registry:
     if not sep or not module_name or not attr:
         raise ValueError(f"tools spec {spec!r} is not of the form 'module:attribute'")
     obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
+    for n, part in enumerate(attr.split(".")):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            # As ``from module import name`` says it, and one line (the CLI prints it).
+            where = ".".join([module_name, *attr.split(".")[:n]])
+            raise ImportError(f"cannot find {part!r} in {where!r} (tools spec {spec!r})") from None
     if callable(obj) and not isinstance(obj, Registry):
         obj = obj()
     if not isinstance(obj, Registry):
