@@ -155,6 +155,17 @@ def pid() -> int:
 
 
 @registry.tool
+def sized(execution: ToolExecution, value: int, printed: int = 0, context: int = 0) -> bytes:
+    """Return ``value`` bytes, after printing ``printed`` characters and attaching
+    ``context`` bytes of context."""
+    if printed:
+        print("x" * printed, flush=True)
+    if context:
+        execution.attach("blob", b"c" * context)
+    return b"v" * value
+
+
+@registry.tool
 async def poke_neighbours(send: bool = False, hold: float = 0.5) -> int:
     """Connect a PAIR socket to every other worker endpoint in the pool's directory."""
     endpoint = sys.argv[sys.argv.index("--endpoint") + 1]

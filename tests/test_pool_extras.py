@@ -81,3 +81,58 @@ def test_the_blocking_facade_for_scripts() -> None:
     assert pids
     with pytest.raises(RuntimeError, match="SyncPool"):
         pool.call("echo")
+
+
+# ------------------------------------------------------------------ results over max_frame
+
+SIZED = "hostile_tools:registry"
+SMALL_FRAME = 64 * 1024
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_result_over_max_frame_is_an_error_and_the_worker_keeps_serving(
+    anyio_backend: str,
+) -> None:
+    async with toolpool.Pool(SIZED, workers=1, max_frame=SMALL_FRAME) as pool:
+        fits = await pool.call("sized", {"value": SMALL_FRAME - 1024})
+        big = await pool.call("sized", {"value": SMALL_FRAME})
+        after = await pool.call("echo", {"value": "still here"})
+        stats = pool.statistics()
+    assert fits.ok, fits
+    assert len(fits.value) == SMALL_FRAME - 1024
+    assert big.outcome is Outcome.ERROR, big
+    assert big.error_name == "ResultTooLarge"
+    assert big.body_started is True
+    assert big.value is None
+    assert big.error is not None
+    assert big.error.startswith("Error: the tool's result is too large to send")
+    assert f"the value packs to {SMALL_FRAME + 5:,} bytes" in big.error  # msgpack bin 32
+    assert f"the pool's max_frame allows {SMALL_FRAME:,}" in big.error
+    assert after.value == "still here"
+    assert after.worker_pid == big.worker_pid == fits.worker_pid
+    assert stats.workers_replaced == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_over_max_frame_the_output_goes_first_then_the_context(anyio_backend: str) -> None:
+    half = SMALL_FRAME // 2
+    async with toolpool.Pool(SIZED, workers=1, max_frame=SMALL_FRAME, capture_output=half) as pool:
+        # The value fits alone; with the captured output it would not: the output goes.
+        loud = await pool.call("sized", {"value": half, "printed": half})
+        # The value does not fit: an error, which keeps the context that fits...
+        kept = await pool.call("sized", {"value": SMALL_FRAME, "context": 1000})
+        # ...and drops what does not.
+        dropped = await pool.call("sized", {"value": SMALL_FRAME, "context": SMALL_FRAME})
+        after = await pool.call("echo", {"value": 1})
+    assert loud.ok, loud
+    assert len(loud.value) == half
+    assert loud.output is None
+    assert loud.output_dropped >= half
+    assert kept.error_name == "ResultTooLarge"
+    assert len(kept.context["blob"]) == 1000
+    assert dropped.error_name == "ResultTooLarge"
+    assert dict(dropped.context) == {}
+    assert after.ok
+    assert after.worker_pid == loud.worker_pid == dropped.worker_pid
