@@ -136,3 +136,26 @@ async def test_over_max_frame_the_output_goes_first_then_the_context(anyio_backe
     assert dict(dropped.context) == {}
     assert after.ok
     assert after.worker_pid == loud.worker_pid == dropped.worker_pid
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_enum_dataclass_and_datetime_arguments_reach_a_worker_converted(
+    anyio_backend: str,
+) -> None:
+    args = {"tint": "blue", "at": "2026-12-01T21:30:00", "where": {"x": 3, "y": 4}}
+    async with toolpool.Pool(SIZED, workers=1) as pool:
+        typed = await pool.call("typed", args)
+        wrong = await pool.call("typed", {**args, "tint": "green"})
+        schema = pool.catalog["typed"]["input_schema"]
+    assert typed.value == ["Tint", "BLUE", "2026-12-01T21:30:00", "Where", 3], typed
+    assert wrong.error_name == "InvalidArguments"
+    assert wrong.error is not None
+    assert "argument 'tint' must be one of 'red', 'blue' (Tint), got 'green'" in wrong.error
+    assert schema["properties"]["tint"] == {
+        "type": "string",
+        "enum": ["red", "blue"],
+        "title": "Tint",
+    }
+    assert schema["properties"]["at"] == {"type": "string", "format": "date-time"}
+    assert schema["properties"]["where"]["required"] == ["x", "y"]
