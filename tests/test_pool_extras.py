@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import anyio
 import pytest
 
@@ -79,8 +81,74 @@ def test_the_blocking_facade_for_scripts() -> None:
         assert pool.statistics().submitted == 2
         pids = pool._pool.worker_pids()
     assert pids
-    with pytest.raises(RuntimeError, match="SyncPool"):
+    with pytest.raises(toolpool.PoolClosedError, match="closed"):
         pool.call("echo")
+
+
+def test_a_sync_call_is_a_future_that_wait_and_as_completed_take() -> None:
+    with toolpool.SyncPool(EXAMPLES, workers=2, cancel_grace=0.2) as pool:
+        long = pool.submit("sync_nap", {"seconds": 30})
+        quick = pool.submit("echo", {"value": "quick"})
+        assert isinstance(long, concurrent.futures.Future)
+        first = next(concurrent.futures.as_completed([long, quick], timeout=30))
+        assert first is quick
+        assert first.result().value == "quick"
+        done, pending = concurrent.futures.wait([long, quick], timeout=0.05)
+        assert (done, pending) == ({quick}, {long})
+        with pytest.raises(TimeoutError):
+            long.result(timeout=0.05)
+        assert long.cancel() is True  # the call is cancelled; the future gets its result
+        done, pending = concurrent.futures.wait([long], timeout=30)
+        assert done == {long}
+        cancelled = long.result(timeout=0)
+        assert cancelled.outcome in (Outcome.ABORTED, Outcome.ABORTED_BEFORE_DISPATCH)
+        assert cancelled.cause == {"kind": "user"}
+        assert not long.cancelled()
+        assert long.exception() is None
+        assert long.cancel() is False  # settled: nothing to cancel...
+        with pytest.raises(ValueError, match="kind"):
+            long.cancel({"kind": "bogus"})  # ...and the cause is still validated
+        assert quick.id != long.id
+        assert quick.tool == "echo"
+        assert repr(quick) == f"<toolpool.SyncCall {quick.id} 'echo' ok>"
+
+
+def test_closing_the_sync_pool_completes_every_future() -> None:
+    seen: list[toolpool.Result] = []
+    # prefetch=0: the second call waits in the pool's queue, not in the worker's (where it
+    # could be taken up in the moment the first ends).
+    with toolpool.SyncPool(EXAMPLES, workers=1, cancel_grace=0.2, prefetch=0) as pool:
+        running = pool.submit("sync_nap", {"seconds": 30})
+        queued = pool.submit("echo", {"value": "never"})
+        queued.add_done_callback(lambda future: seen.append(future.result()))
+    assert running.done()
+    assert queued.done()
+    assert running.result(timeout=0).cause == {"kind": "disposed"}
+    assert queued.result(timeout=0).outcome is Outcome.ABORTED_BEFORE_DISPATCH
+    assert seen == [queued.result()]
+
+
+def test_a_closed_or_unstarted_sync_pool_raises_as_the_async_pool_does() -> None:
+    pool = toolpool.SyncPool(EXAMPLES, workers=1)
+    with pytest.raises(toolpool.PoolClosedError, match="not started"):
+        pool.submit("echo")
+    assert pool.statistics().submitted == 0
+    with pool:
+        pool.call("echo", {"value": 1})
+        with pytest.raises(toolpool.UnknownToolError):
+            pool.submit("no_such_tool")
+        with pytest.raises(ValueError, match="timeout"):
+            pool.submit("echo", timeout=-1)
+    with pytest.raises(toolpool.PoolClosedError, match="the pool is closed"):
+        pool.submit("echo")
+    with pytest.raises(toolpool.PoolClosedError, match="the pool is closed"):
+        pool.call("echo")
+    stats = pool.statistics()  # the last snapshot, as the async pool gives it once closed
+    assert stats.submitted == 1
+    assert stats.settled == {"ok": 1}
+    pool.close()  # idempotent
+    with pytest.raises(RuntimeError, match="started once"), pool:
+        pass
 
 
 # ------------------------------------------------------------------ results over max_frame
