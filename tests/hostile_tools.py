@@ -175,6 +175,16 @@ def typed(tint: Tint, at: datetime.datetime, where: Where) -> list[Any]:
 
 
 @registry.tool
+def burn_cpu(seconds: float) -> int:
+    """Spin until this thread has used ``seconds`` of CPU, however long that takes here."""
+    start = time.thread_time()
+    n = 0
+    while time.thread_time() - start < seconds:
+        n += 1
+    return n
+
+
+@registry.tool
 def sized(execution: ToolExecution, value: int, printed: int = 0, context: int = 0) -> bytes:
     """Return ``value`` bytes, after printing ``printed`` characters and attaching
     ``context`` bytes of context."""
