@@ -12,6 +12,9 @@ while (so a supervisor that failed to react would see an ``ok`` result, not a ha
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import enum
 import gc
 import os
 import sys
@@ -152,6 +155,44 @@ def echo(value: Any = None) -> Any:
 def pid() -> int:
     """The worker's pid."""
     return os.getpid()
+
+
+class Tint(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    x: int
+    y: int
+
+
+@registry.tool
+def typed(tint: Tint, at: datetime.datetime, where: Where) -> list[Any]:
+    """What the body received, by type: the arguments are converted before it runs."""
+    return [type(tint).__name__, tint.name, at.isoformat(), type(where).__name__, where.x]
+
+
+@registry.tool
+def burn_cpu(seconds: float) -> int:
+    """Spin until this thread has used ``seconds`` of CPU, however long that takes here."""
+    start = time.thread_time()
+    n = 0
+    while time.thread_time() - start < seconds:
+        n += 1
+    return n
+
+
+@registry.tool
+def sized(execution: ToolExecution, value: int, printed: int = 0, context: int = 0) -> bytes:
+    """Return ``value`` bytes, after printing ``printed`` characters and attaching
+    ``context`` bytes of context."""
+    if printed:
+        print("x" * printed, flush=True)
+    if context:
+        execution.attach("blob", b"c" * context)
+    return b"v" * value
 
 
 @registry.tool

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import types
 
 import pytest
@@ -30,3 +33,27 @@ def test_all_lists_every_public_attribute() -> None:
 @pytest.mark.parametrize("name", ["Registry", "ToolResult", "Outcome", "CancelController"])
 def test_reexports_have_public_module(name: str) -> None:
     assert getattr(toolpool, name).__module__ == "toolpool"
+
+
+def test_every_error_reads_toolpool_x_from_its_first_raise() -> None:
+    """In a fresh interpreter that never looked ``toolpool.X`` up, as the supervisor's own
+    raise meets a user first."""
+    code = textwrap.dedent(
+        """
+        from toolpool.core import _errors
+        names = [n for n in _errors.__all__ if getattr(_errors, n).__module__ != "toolpool"]
+        assert not names, names
+        raise _errors.WorkerStartError("tools fail to import")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == "toolpool.WorkerStartError: tools fail to import"
+
+
+def test_every_error_is_exported() -> None:
+    from toolpool.core import _errors
+
+    assert set(_errors.__all__) <= set(toolpool.__all__)

@@ -7,8 +7,12 @@ never on sleeps; the only real time used is the deadline of the timeout policy.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import enum
 import json
 import logging
+import pathlib
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -1684,7 +1688,8 @@ def test_catalog_and_describe_are_json_schema() -> None:
     async def add(values: list[float], options: dict[str, bool]) -> float:
         return sum(values)
 
-    catalog = registry.catalog()
+    assert list(registry.catalog) == ["read_file", "sum"]
+    catalog = list(registry.catalog.values())
     assert json.loads(json.dumps(catalog)) == catalog
     assert catalog == [
         {
@@ -1719,9 +1724,24 @@ def test_catalog_and_describe_are_json_schema() -> None:
             },
         },
     ]
-    assert registry.tools["sum"].describe() == catalog[1]
+    assert registry.tools["sum"].describe() == catalog[1] == registry.catalog["sum"]
     assert registry.tools["sum"].is_async
     assert not registry.tools["read_file"].is_async
+
+
+def test_calling_the_catalog_still_works_but_is_deprecated() -> None:
+    registry = Registry()
+
+    @registry.tool
+    def one() -> int:
+        return 1
+
+    with pytest.warns(DeprecationWarning, match=r"registry\.catalog\(\) is deprecated"):
+        listed = registry.catalog()
+    assert listed == list(registry.catalog.values())
+    assert listed == [registry.tools["one"].describe()]
+    with pytest.raises(TypeError):
+        registry.catalog["two"] = {}  # type: ignore[index]
 
 
 def test_registration_errors() -> None:
@@ -1794,3 +1814,210 @@ async def test_on_dispatch_failure_is_not_a_started_body() -> None:
     assert result.outcome is Outcome.ERROR
     assert result.body_started is False
     assert ran == []
+
+
+# ------------------------------------------------------------- Enum, dataclass, datetime
+
+
+class Shade(enum.Enum):
+    LIGHT = "light"
+    DARK = "dark"
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Spot:
+    x: int
+    y: int
+    label: str = ""
+
+
+@dataclasses.dataclass
+class Route:
+    start: Spot
+    stops: list[Spot]
+    shade: Shade | None = None
+
+
+def _typed_registry(seen: list[tuple[Any, ...]]) -> Registry:
+    registry = Registry()
+
+    @registry.tool
+    def plan(
+        shade: Shade,
+        at: datetime.datetime,
+        route: Route,
+        level: Level = Level.LOW,
+        day: datetime.date | None = None,
+        tags: dict[str, Shade] | None = None,
+    ) -> str:
+        """Plan a route."""
+        seen.append((shade, at, route, level, day, tags))
+        return "planned"
+
+    return registry
+
+
+@pytest.mark.anyio
+async def test_enum_dataclass_and_datetime_arguments_are_converted() -> None:
+    seen: list[tuple[Any, ...]] = []
+    registry = _typed_registry(seen)
+    args = {
+        "shade": "dark",
+        "at": "2026-12-01T21:30:00+00:00",
+        "route": {"start": {"x": 1, "y": 2}, "stops": [{"x": 3, "y": 4, "label": "b"}]},
+        "level": 2,
+        "day": "2026-12-02",
+        "tags": {"sky": "light"},
+    }
+    result = await registry.execute("plan", args, signal=CancelController().signal)
+    assert result.outcome is Outcome.OK, result
+    [(shade, at, route, level, day, tags)] = seen
+    assert shade is Shade.DARK
+    assert at == datetime.datetime(2026, 12, 1, 21, 30, tzinfo=datetime.UTC)
+    assert route == Route(Spot(1, 2), [Spot(3, 4, "b")])
+    assert level is Level.HIGH
+    assert day == datetime.date(2026, 12, 2)
+    assert tags == {"sky": Shade.LIGHT}
+    # A date where a date and time is wanted is midnight; defaults stay as declared.
+    seen.clear()
+    result = await registry.execute(
+        "plan",
+        {"shade": "light", "at": "2026-01-01", "route": {"start": {"x": 0, "y": 0}, "stops": []}},
+        signal=CancelController().signal,
+    )
+    assert result.outcome is Outcome.OK, result
+    assert seen[0][1] == datetime.datetime(2026, 1, 1)
+    assert seen[0][3:] == (Level.LOW, None, None)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"shade": "grey"}, "argument 'shade' must be one of 'light', 'dark' (Shade), got 'grey'"),
+        ({"shade": None}, "argument 'shade' must be one of 'light', 'dark' (Shade), got NoneType"),
+        ({"level": True}, "argument 'level' must be one of 1, 2 (Level), got True"),
+        ({"at": "yesterday"}, "argument 'at' must be an ISO 8601 date and time (text)"),
+        (
+            {"at": 1700000000},
+            "argument 'at' must be an ISO 8601 date and time (text), got 1700000000",
+        ),
+        ({"day": "2026-13-01"}, "argument 'day' must be an ISO 8601 date (text), got '2026-13-01'"),
+        ({"route": [1, 2]}, "argument 'route' must be an object with the fields of Route"),
+        (
+            {"route": {"start": {"x": 1}, "stops": []}},
+            "argument 'route'.start lacks field(s) of Spot: y",
+        ),
+        (
+            {"route": {"start": {"x": 1, "y": 2, "z": 3}, "stops": []}},
+            "argument 'route'.start has unexpected field(s) for Spot: z",
+        ),
+        (
+            {"route": {"start": {"x": 1, "y": 2}, "stops": [{"x": "a", "y": 2}]}},
+            "argument 'route'.stops[0].x must be an integer, got 'a'",
+        ),
+        ({"tags": {"sky": "pink"}}, "argument 'tags'['sky'] must be one of 'light', 'dark'"),
+        ({"tags": ["sky"]}, "argument 'tags' must be an object, got list"),
+    ],
+)
+async def test_arguments_that_do_not_convert_are_named(
+    change: dict[str, Any], message: str
+) -> None:
+    seen: list[tuple[Any, ...]] = []
+    registry = _typed_registry(seen)
+    args = {
+        "shade": "dark",
+        "at": "2026-12-01T21:30:00",
+        "route": {"start": {"x": 1, "y": 2}, "stops": []},
+        **change,
+    }
+    result = await registry.execute("plan", args, signal=CancelController().signal)
+    assert result.outcome is Outcome.ERROR
+    assert result.error_name == "InvalidArguments"
+    assert result.error is not None
+    assert message in result.error
+    assert seen == []
+
+
+def test_enum_dataclass_and_datetime_parameters_are_described() -> None:
+    schema = _typed_registry([]).catalog["plan"]["input_schema"]
+    spot = {
+        "type": "object",
+        "title": "Spot",
+        "properties": {
+            "x": {"type": "integer"},
+            "y": {"type": "integer"},
+            "label": {"type": "string"},
+        },
+        "required": ["x", "y"],
+        "additionalProperties": False,
+    }
+    shade = {"type": "string", "enum": ["light", "dark"], "title": "Shade"}
+    assert schema == {
+        "type": "object",
+        "properties": {
+            "shade": shade,
+            "at": {"type": "string", "format": "date-time"},
+            "route": {
+                "type": "object",
+                "title": "Route",
+                "properties": {
+                    "start": spot,
+                    "stops": {"type": "array", "items": spot},
+                    "shade": {"anyOf": [shade, {"type": "null"}]},
+                },
+                "required": ["start", "stops"],
+                "additionalProperties": False,
+            },
+            "level": {"type": "integer", "enum": [1, 2], "title": "Level", "default": 1},
+            "day": {
+                "anyOf": [{"type": "string", "format": "date"}, {"type": "null"}],
+                "default": None,
+            },
+            "tags": {
+                "anyOf": [{"type": "object", "additionalProperties": shade}, {"type": "null"}],
+                "default": None,
+            },
+        },
+        "required": ["shade", "at", "route"],
+        "additionalProperties": False,
+    }
+    assert json.loads(json.dumps(schema)) == schema
+
+
+class Pair(enum.Enum):
+    ONE = (1, 2)
+
+
+@dataclasses.dataclass
+class Holder:
+    where: pathlib.Path
+
+
+@pytest.mark.parametrize(
+    ("annotation", "message"),
+    [
+        (pathlib.Path, "parameter 'p' is annotated Path, which no argument can be"),
+        (list[pathlib.Path], "parameter 'p' is annotated Path, which no argument can be"),
+        (Holder, "parameter 'p', field 'where' is annotated Path"),
+        (Pair, "Enum Pair has members whose values are not a string or a number (ONE)"),
+        (datetime.time, "parameter 'p' is annotated time, which no argument can be"),
+    ],
+)
+def test_parameters_no_argument_can_satisfy_are_refused_at_registration(
+    annotation: Any, message: str
+) -> None:
+    registry = Registry()
+
+    def tool(p: Any) -> None:
+        pass
+
+    tool.__annotations__["p"] = annotation
+    with pytest.raises(TypeError, match=re.escape(message)):
+        registry.add_tool(tool)
+    assert "tool" not in registry.tools

@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
 import json
+import logging
+import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+import textwrap
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .core import ToolpoolError
+from ._interrupts import EXIT_INTERRUPTED, Interrupts, say
+from .core import ToolpoolError, WorkerStartError
+
+if TYPE_CHECKING:
+    from .supervisor import Result
 
 
 def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
     cmd.add_argument(
-        "--profile", default=default, choices=["default", "untrusted"], help="base profile"
+        "--profile",
+        default=default,
+        choices=["default", "untrusted"],
+        help=f"base containment profile (default: {default})",
     )
     cmd.add_argument("--memory", help="memory cap per worker tree, e.g. 512MiB")
     cmd.add_argument("--max-processes", type=int, help="processes+threads per worker tree")
@@ -37,15 +49,22 @@ def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="toolpool",
         description="Run tool calls in isolated worker processes and stop them truthfully.",
+        epilog="A 'module:attribute' is looked up as 'python -m' would: the current "
+        "directory comes first on the path.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--version", action="version", version=f"toolpool {__version__}", help="print the version"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sub.add_parser("demo", help="run the built-in example job and show what happened")
 
-    tools = sub.add_parser("tools", help="list the tools a registry provides")
+    tools = sub.add_parser("tools", help="list the tools a registry provides, as JSON")
     tools.add_argument("spec", help="module:attribute naming a toolpool.Registry")
 
     for name, text in (
@@ -54,32 +73,54 @@ def _parser() -> argparse.ArgumentParser:
     ):
         _add_profile_options(sub.add_parser(name, help=text), "untrusted")
 
-    call = sub.add_parser("call", help="run one call in a fresh pool and print its result")
+    call = sub.add_parser(
+        "call",
+        help="run one call in a fresh pool and print its result",
+        description="Run one call in a fresh one-worker pool and print its result as JSON; "
+        "exit 0 if the outcome is ok, 1 if not. Ctrl-C stops the call as the pool stops "
+        "calls (cancel, then SIGTERM and SIGKILL after the graces); a second Ctrl-C kills "
+        "it at once.",
+    )
     call.add_argument("spec", help="module:attribute naming a toolpool.Registry")
     call.add_argument("tool", help="the tool's name")
     call.add_argument("args", nargs="?", default="{}", help="arguments as a JSON object")
-    call.add_argument("--timeout", type=float, default=None, help="seconds before cancelling")
-    call.add_argument("--cancel-grace", type=float, default=5.0)
-    call.add_argument("--term-grace", type=float, default=2.0)
+    call.add_argument(
+        "--timeout", type=float, default=None, help="seconds before the call is cancelled"
+    )
+    call.add_argument(
+        "--cancel-grace",
+        type=float,
+        default=5.0,
+        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
+    )
+    call.add_argument(
+        "--term-grace",
+        type=float,
+        default=2.0,
+        help="seconds after SIGTERM before SIGKILL (default: 2)",
+    )
     _add_profile_options(call, "default")
     return parser
 
 
-def _result_json(result: Any) -> dict[str, Any]:
-    return {
-        "call_id": result.call_id,
-        "tool": result.tool,
-        "outcome": result.outcome.value,
-        "value": result.value,
-        "error": result.error,
-        "body_started": result.body_started,
-        "cause": dict(result.cause) if result.cause else None,
-        "rung": result.rung.value,
-        "worker_pid": result.worker_pid,
-        "exit_code": result.exit_code,
-        "exit_signal": result.exit_signal,
-        "timeline": result.timeline.as_dict(),
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
+
+
+def _result_json(result: Result) -> dict[str, Any]:
+    """Every field of the result; the timeline as seconds since submission, step by step."""
+    out = {
+        f.name: _jsonable(getattr(result, f.name))
+        for f in dataclasses.fields(result)
+        if f.name != "timeline"
     }
+    out["duration"] = result.duration()
+    out["timeline"] = dict(result.timeline.steps())
+    return out
 
 
 async def _call(ns: argparse.Namespace) -> int:
@@ -91,16 +132,32 @@ async def _call(ns: argparse.Namespace) -> int:
         raise ValueError(f"args is not valid JSON: {exc}") from None
     if not isinstance(args, dict):
         raise ValueError("args must be a JSON object")
-    async with Pool(
-        ns.spec,
-        workers=1,
-        cancel_grace=ns.cancel_grace,
-        term_grace=ns.term_grace,
-        profile=_profile(ns),
-    ) as pool:
-        result = await pool.call(ns.tool, args, timeout=ns.timeout)
-    print(json.dumps(_result_json(result), indent=2, default=repr))
-    return 0 if result.ok else 1
+    stop = Interrupts(ns.cancel_grace, ns.term_grace)
+
+    async def job() -> int:
+        async with Pool(
+            ns.spec,
+            workers=1,
+            cancel_grace=ns.cancel_grace,
+            term_grace=ns.term_grace,
+            profile=_profile(ns),
+        ) as pool:
+            result: Result | None = None
+            with stop.cancellable():
+                result = await stop.wait(pool.submit(ns.tool, args, timeout=ns.timeout))
+        if result is None:
+            return EXIT_INTERRUPTED
+        print(json.dumps(_result_json(result), indent=2, default=repr))
+        return 0 if result.ok else 1
+
+    return await stop.run(job)
+
+
+def _demo() -> int:
+    from ._demo import CANCEL_GRACE, TERM_GRACE, run_demo
+
+    stop = Interrupts(CANCEL_GRACE, TERM_GRACE)
+    return anyio.run(stop.run, lambda: run_demo(sys.stdout, interrupts=stop))
 
 
 def _profile(ns: argparse.Namespace) -> Any:
@@ -134,50 +191,117 @@ async def _doctor(ns: argparse.Namespace) -> int:
     return 0
 
 
+class _Collect(logging.Handler):
+    """Keeps what the pool logs while the kit runs, to print after the table."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname.lower()}: {record.getMessage()}")
+
+
+#: The widest the observed column gets in the selftest table; longer text wraps.
+_OBSERVED_WIDTH = 48
+
+
 async def _selftest(ns: argparse.Namespace) -> int:
     from .supervisor import Pool
     from .testing.hostile import run_kit
 
-    async with Pool(
-        "toolpool.testing.hostile:registry",
-        workers=2,
-        cancel_grace=0.3,
-        term_grace=0.3,
-        profile=_profile(ns),
-    ) as pool:
-        print(pool.containment().format(), end="\n\n")
-        verdicts = await run_kit(pool)
+    # The kit provokes the pool on purpose (strangers on sockets, garbage frames): what the
+    # pool logs about it is shown after the table, not in the middle of it.
+    log = logging.getLogger("toolpool")
+    collect = _Collect()
+    log.addHandler(collect)
+    try:
+        async with Pool(
+            "toolpool.testing.hostile:registry",
+            workers=2,
+            cancel_grace=0.3,
+            term_grace=0.3,
+            profile=_profile(ns),
+        ) as pool:
+            print(pool.containment().format(), end="\n\n")
+            verdicts = await run_kit(pool)
+    finally:
+        log.removeHandler(collect)
     rows = [("threat", "expected", "observed", "result", "caught by")]
     rows += [
         (v.threat, v.expected, v.observed, "pass" if v.passed else "FAIL", v.caught_by)
         for v in verdicts
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for n, row in enumerate(rows):
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[4])
-        if n == 0:
-            print("  ".join("-" * w for w in widths) + "  " + "-" * 9)
+    print(_table(rows, wrap={2: _OBSERVED_WIDTH}))
+    if collect.lines:
+        print("\nwhat the pool logged meanwhile (the kit provokes it):")
+        for line in collect.lines:
+            print(f"  {line}")
     failed = [v for v in verdicts if not v.passed]
     print(f"\n{len(verdicts) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
+
+
+def _table(rows: Sequence[Sequence[str]], *, wrap: Mapping[int, int]) -> str:
+    """Columns padded to their widest cell; a column in ``wrap`` wraps at that width onto
+    continuation lines instead (nothing is cut off). The first row is the header."""
+    grid = [
+        [
+            (textwrap.wrap(c, wrap[i], break_on_hyphens=False) or [""]) if i in wrap else [c]
+            for i, c in enumerate(row)
+        ]
+        for row in rows
+    ]
+    width = len(rows[0])
+    widths = [max(len(line) for row in grid for line in row[i]) for i in range(width)]
+    out: list[str] = []
+    for n, row in enumerate(grid):
+        for k in range(max(len(c) for c in row)):
+            parts = [c[k] if k < len(c) else "" for c in row]
+            out.append("  ".join(p.ljust(w) for p, w in zip(parts, widths, strict=True)).rstrip())
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
 
 
 def _tools(ns: argparse.Namespace) -> int:
     from .worker._main import load_registry
 
     registry = load_registry(ns.spec)
-    print(json.dumps(registry.catalog(), indent=2))
+    print(json.dumps([dict(d) for d in registry.catalog.values()], indent=2))
     return 0
+
+
+def _message(exc: BaseException) -> str:
+    """``Type: message`` in one line. A worker's start failure carries the worker's
+    traceback: of an import that failed (the module or attribute is not there), its last
+    line says it all."""
+    text = str(exc)
+    if isinstance(exc, WorkerStartError) and "Traceback (most recent call last):" in text:
+        head, _, trace = text.partition("Traceback (most recent call last):")
+        last = trace.strip().splitlines()[-1]
+        if last.startswith(("ModuleNotFoundError:", "ImportError:")):
+            text = head + last
+    return f"{type(exc).__name__}: {text}"
+
+
+def _put_cwd_on_path() -> None:
+    """As ``python -m`` does: modules next to the user are found (by the workers too, which
+    get this process's path). Not where the user asked for a safe path (``-P``)."""
+    if sys.flags.safe_path:
+        return
+    cwd = os.getcwd()
+    if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
+        sys.path.insert(0, cwd)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``toolpool`` command."""
     ns = _parser().parse_args(argv)
+    _put_cwd_on_path()
     try:
         if ns.command == "demo":
-            from ._demo import main as demo
-
-            return demo(sys.stdout)
+            return _demo()
         if ns.command == "tools":
             return _tools(ns)
         if ns.command == "call":
@@ -187,8 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "selftest":
             return anyio.run(_selftest, ns)
     except (ToolpoolError, ValueError, TypeError, ImportError) as exc:
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        print(_message(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return 130
+        say("interrupted")
+        return EXIT_INTERRUPTED
     raise AssertionError(f"unhandled command {ns.command!r}")  # pragma: no cover

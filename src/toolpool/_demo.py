@@ -15,46 +15,56 @@ from typing import TextIO
 import anyio
 import psutil
 
+from ._interrupts import Interrupts
 from .supervisor import Call, Pool, Result
 
 EXAMPLES = "toolpool.testing.examples:registry"
+CANCEL_GRACE = 0.3
+TERM_GRACE = 0.3
 _MARKER = f"toolpool-demo-daemon-{os.getpid()}"
 
 
-async def _cancel_when_started(call: Call, *, force: bool = False) -> Result:
-    await call.wait_started()
-    call.cancel(force=force)
-    return await call
+def _scenarios(
+    pool: Pool, interrupts: Interrupts
+) -> list[tuple[str, Callable[[], Awaitable[Result]]]]:
+    _settled = interrupts.wait
 
+    def submit(tool: str, args: dict[str, object], timeout: float | None = None) -> Call:
+        return interrupts.track(pool.submit(tool, args, timeout=timeout))
 
-def _scenarios(pool: Pool) -> list[tuple[str, Callable[[], Awaitable[Result]]]]:
+    def call(tool: str, args: dict[str, object], timeout: float | None = None) -> Awaitable[Result]:
+        return _settled(submit(tool, args, timeout))
+
+    async def cancel_when_started(
+        tool: str, args: dict[str, object], force: bool = False
+    ) -> Result:
+        started = submit(tool, args)
+        await started.wait_started()
+        started.cancel(force=force)
+        return await _settled(started)
+
     async def queued_then_cancelled() -> Result:
-        blockers = [pool.submit("nap", {"seconds": 0.3}) for _ in range(pool.size)]
-        queued = pool.submit("echo", {"value": "never runs"})
+        blockers = [submit("nap", {"seconds": 0.3}) for _ in range(pool.size)]
+        queued = submit("echo", {"value": "never runs"})
         queued.cancel()
-        result = await queued
+        result = await _settled(queued)
         for blocker in blockers:
-            await blocker
+            await _settled(blocker)
         return result
 
     return [
-        ("returns a value", lambda: pool.call("echo", {"value": "hello"})),
-        ("raises", lambda: pool.call("fail", {"message": "boom"})),
-        (
-            "cooperates with cancel",
-            lambda: _cancel_when_started(pool.submit("nap", {"seconds": 30})),
-        ),
-        ("cooperates with a timeout", lambda: pool.call("nap", {"seconds": 30}, timeout=0.2)),
+        ("returns a value", lambda: call("echo", {"value": "hello"})),
+        ("raises", lambda: call("fail", {"message": "boom"})),
+        ("cooperates with cancel", lambda: cancel_when_started("nap", {"seconds": 30})),
+        ("cooperates with a timeout", lambda: call("nap", {"seconds": 30}, timeout=0.2)),
         ("cancelled while queued", queued_then_cancelled),
-        ("ignores its signal", lambda: _cancel_when_started(pool.submit("busy_loop", {}))),
-        ("ignores SIGTERM", lambda: _cancel_when_started(pool.submit("ignore_sigterm", {}))),
+        ("ignores its signal", lambda: cancel_when_started("busy_loop", {})),
+        ("ignores SIGTERM", lambda: cancel_when_started("ignore_sigterm", {})),
         (
             "leaves a daemon, force-killed",
-            lambda: _cancel_when_started(
-                pool.submit("spawn_daemon_and_block", {"marker": _MARKER}), force=True
-            ),
+            lambda: cancel_when_started("spawn_daemon_and_block", {"marker": _MARKER}, force=True),
         ),
-        ("crashes its worker", lambda: pool.call("crash", {"code": 3})),
+        ("crashes its worker", lambda: call("crash", {"code": 3})),
     ]
 
 
@@ -94,15 +104,26 @@ def _pool_processes(pids: list[int]) -> list[psutil.Process]:
     return alive
 
 
-async def run_demo(out: TextIO) -> int:
-    """Run the demo, print the report to ``out``; return a process exit code."""
-    print("toolpool demo: 3 workers, cancel_grace=0.3s, term_grace=0.3s\n", file=out)
+async def run_demo(out: TextIO, *, interrupts: Interrupts | None = None) -> int:
+    """Run the demo, print the report to ``out``; return a process exit code.
+
+    With ``interrupts`` (the command line's), Ctrl-C stops the scenarios (see
+    ``toolpool._interrupts``)."""
+    stop = interrupts or Interrupts(CANCEL_GRACE, TERM_GRACE)
+    print(
+        f"toolpool demo: 3 workers, cancel_grace={CANCEL_GRACE}s, term_grace={TERM_GRACE}s\n",
+        file=out,
+        flush=True,
+    )
     seen: set[int] = set()
     rows = [["scenario", "tool", "outcome", "started", "rung", "total", "timeline (step +time)"]]
-    async with Pool(EXAMPLES, workers=3, cancel_grace=0.3, term_grace=0.3) as pool:
-        for label, scenario in _scenarios(pool):
+    async with Pool(EXAMPLES, workers=3, cancel_grace=CANCEL_GRACE, term_grace=TERM_GRACE) as pool:
+        for label, scenario in _scenarios(pool, stop):
             seen.update(pool.worker_pids())
-            result = await scenario()
+            with stop.cancellable():
+                result = await scenario()
+            if stop.count:
+                break
             started = {True: "yes", False: "no", None: "maybe"}[result.body_started]
             rows.append(
                 [
@@ -138,5 +159,5 @@ async def run_demo(out: TextIO) -> int:
 
 
 def main(out: TextIO) -> int:
-    """Entry point for ``toolpool demo``."""
+    """Run the demo (without the command line's Ctrl-C handling)."""
     return anyio.run(run_demo, out)

@@ -61,3 +61,21 @@ class WorkerLost(ToolpoolError):
 
 class RemoteProtocolError(WorkerLost):
     """A worker sent something the protocol does not allow (garbage, oversized, forged)."""
+
+
+# Tracebacks name each error as users import it (``toolpool.WorkerStartError``) from its first
+# raise, not only once ``toolpool.WorkerStartError`` was looked up (``toolpool/__init__.py``
+# rewrites the other public names on first use).
+for _cls in (
+    ToolpoolError,
+    AbortError,
+    ToolDenied,
+    ConfigurationError,
+    UnknownToolError,
+    PoolClosedError,
+    WorkerStartError,
+    WorkerLost,
+    RemoteProtocolError,
+):
+    _cls.__module__ = "toolpool"
+del _cls

@@ -1,13 +1,21 @@
-"""A blocking facade for scripts: the pool runs on an event loop in a background thread."""
+"""A blocking facade for scripts: the pool runs on an event loop in a background thread.
+
+Built on the public API of :class:`Pool` and :class:`Call` only, through an anyio
+``BlockingPortal``. A submitted call is a :class:`concurrent.futures.Future` of its
+:class:`Result`: ``concurrent.futures.wait`` and ``as_completed`` take it.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, final
 
+from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from ..core import PoolClosedError, validate_cause
 from ._calls import Call
 from ._pool import Pool
 from ._results import Result, Statistics
@@ -16,29 +24,59 @@ __all__ = ("SyncCall", "SyncPool")
 
 
 @final
-class SyncCall:
-    """A submitted call, for blocking code: ``result()`` waits, ``cancel()`` stops it."""
+class SyncCall(concurrent.futures.Future[Result]):
+    """A submitted call, for blocking code: a :class:`concurrent.futures.Future` of its
+    :class:`toolpool.Result`, completed when the call settles.
+
+    ``result(timeout=None)`` waits (raising :class:`TimeoutError` if ``timeout`` seconds
+    pass first), ``done()`` says whether it settled, and ``concurrent.futures.wait`` and
+    ``as_completed`` work with it. Every call settles with a result, whatever happened to
+    it, so ``exception()`` is always None.
+
+    ``cancel()`` differs from a plain Future's: it cancels the *call* (see
+    :meth:`toolpool.Call.cancel`), which then settles with the result that cancellation
+    led to (``aborted``, ``aborted_before_dispatch``, ``killed``...). So the future is
+    never in the cancelled state: ``cancelled()`` stays False and ``result()`` returns that
+    result. Callbacks added with ``add_done_callback`` run in the pool's event-loop thread:
+    they must be quick and must not call the :class:`SyncPool` (that would deadlock it).
+    Created by :meth:`SyncPool.submit` only.
+    """
 
     def __init__(self, portal: BlockingPortal, call: Call) -> None:
+        super().__init__()
         self._portal = portal
         self._call = call
+        # It runs, or waits, in the pool from the start: nothing to withdraw as an
+        # executor withdraws a pending future.
+        self.set_running_or_notify_cancel()
 
     @property
     def id(self) -> int:
         """The pool-wide call id."""
         return self._call.id
 
-    def cancel(self, cause: object = None, *, force: bool = False) -> None:
-        """As :meth:`toolpool.Call.cancel` (validated here, at once)."""
-        self._portal.call(lambda: self._call.cancel(cause, force=force))
+    @property
+    def tool(self) -> str:
+        """The tool's name."""
+        return self._call.tool
 
-    def done(self) -> bool:
-        """True once the call has settled."""
-        return self._portal.call(self._call.done)
+    def cancel(self, cause: object = None, *, force: bool = False) -> bool:
+        """Cancel the call, as :meth:`toolpool.Call.cancel` (``cause`` validated here, at
+        once; the first cause wins). Returns True if the call had not settled yet: it
+        settles soon with the result the cancel led to; False if it had settled already."""
+        if self.done():
+            validate_cause(cause)  # validated even so, as Call.cancel does
+            return False
+        return bool(self._portal.call(self._cancel, cause, force))
 
-    def result(self) -> Result:
-        """Block until the call settles and return its result."""
-        return self._portal.call(self._call.wait)
+    def _cancel(self, cause: object, force: bool) -> bool:
+        settled = self._call.done()
+        self._call.cancel(cause, force=force)
+        return not settled
+
+    def __repr__(self) -> str:
+        state = self.result().outcome.value if self.done() else "pending"
+        return f"<toolpool.SyncCall {self.id} {self.tool!r} {state}>"
 
 
 @final
@@ -47,6 +85,10 @@ class SyncPool:
 
     >>> with toolpool.SyncPool("mytools:registry", workers=2) as pool:  # doctest: +SKIP
     ...     print(pool.call("nap", {"seconds": 0.1}).outcome)
+
+    The errors are the async pool's: :class:`toolpool.PoolClosedError` for a call before
+    the pool started or once it closed, :class:`toolpool.UnknownToolError`,
+    :class:`TypeError` and :class:`ValueError` for a bad call, at once.
     """
 
     def __init__(self, tools: str, **options: Any) -> None:
@@ -54,8 +96,12 @@ class SyncPool:
         self._portal_cm: Any = None
         self._portal: BlockingPortal | None = None
         self._pool_cm: Any = None
+        self._closed = False
+        self._following: dict[int, SyncCall] = {}  # calls not settled yet (the loop's)
 
     def __enter__(self) -> SyncPool:
+        if self._closed or self._portal is not None:
+            raise RuntimeError("a SyncPool can be started once")
         self._portal_cm = start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
         try:
@@ -65,6 +111,7 @@ class SyncPool:
         except BaseException:
             self._portal_cm.__exit__(None, None, None)
             self._portal = None
+            self._closed = True
             raise
         return self
 
@@ -77,28 +124,68 @@ class SyncPool:
         self.close()
 
     def close(self) -> None:
-        """As :meth:`toolpool.Pool.aclose`: every call settled, every process gone."""
+        """As :meth:`toolpool.Pool.aclose`: every call settled, every process gone. Every
+        :class:`SyncCall` is done once this returns. Idempotent."""
         if self._portal is None:
+            self._closed = True
             return
+        portal = self._portal
         try:
             self._pool_cm.__exit__(None, None, None)
         finally:
-            self._portal_cm.__exit__(None, None, None)
-            self._portal = None
+            try:
+                portal.call(self._deliver_all)  # settled now: none may wait on a stopped loop
+            finally:
+                self._portal_cm.__exit__(None, None, None)
+                self._portal = None
+                self._closed = True
 
     def _running(self) -> BlockingPortal:
         if self._portal is None:
-            raise RuntimeError("use 'with toolpool.SyncPool(...) as pool:'")
+            if self._closed:
+                raise PoolClosedError("the pool is closed")
+            raise PoolClosedError("the pool is not started: use 'with toolpool.SyncPool(...)'")
         return self._portal
 
     def submit(
         self, tool: str, args: Mapping[str, Any] | None = None, *, timeout: float | None = None
     ) -> SyncCall:
-        """As :meth:`toolpool.Pool.submit`."""
+        """As :meth:`toolpool.Pool.submit`: returns at once, with the call's future."""
         portal = self._running()
-        # Wrapped in a tuple: a Call is awaitable, and the portal would await it.
-        (call,) = portal.call(lambda: (self._pool.submit(tool, args, timeout=timeout),))
-        return SyncCall(portal, call)
+        _, call = portal.start_task(self._follow, portal, tool, args, timeout)
+        assert isinstance(call, SyncCall)
+        return call
+
+    async def _follow(
+        self,
+        portal: BlockingPortal,
+        tool: str,
+        args: Mapping[str, Any] | None,
+        timeout: float | None,
+        *,
+        task_status: TaskStatus[SyncCall],
+    ) -> None:
+        """In the loop: submit (its errors reach the caller), then complete the future once
+        the call settled."""
+        call = self._pool.submit(tool, args, timeout=timeout)
+        future = SyncCall(portal, call)
+        self._following[call.id] = future
+        task_status.started(future)
+        try:
+            await call.wait()
+        finally:
+            if call.done():  # (else the portal is closing: _deliver_all completes it)
+                self._deliver(call.id)
+
+    def _deliver(self, call_id: int) -> None:
+        future = self._following.pop(call_id, None)
+        if future is not None and not future.done():
+            future.set_result(future._call.result())
+
+    def _deliver_all(self) -> None:
+        for call_id, future in list(self._following.items()):
+            if future._call.done():
+                self._deliver(call_id)
 
     def call(
         self, tool: str, args: Mapping[str, Any] | None = None, *, timeout: float | None = None
@@ -107,5 +194,7 @@ class SyncPool:
         return self.submit(tool, args, timeout=timeout).result()
 
     def statistics(self) -> Statistics:
-        """As :meth:`toolpool.Pool.statistics`."""
-        return self._running().call(self._pool.statistics)
+        """As :meth:`toolpool.Pool.statistics`; after :meth:`close`, the pool's last."""
+        if self._portal is None:
+            return self._pool.statistics()  # no loop runs it now: read it here
+        return self._portal.call(self._pool.statistics)

@@ -420,6 +420,10 @@ def marker_processes(marker: str) -> list[int]:
     return found
 
 
+#: The longest value text a verdict shows; beyond it, an ellipsis ends the text.
+_OBSERVED_MAX = 200
+
+
 async def run_threat(pool: Any, threat: Threat, marker: str) -> Verdict:
     """Run one threat on ``pool`` and judge it; the pool must serve a call afterwards."""
     args = dict(threat.args)
@@ -440,7 +444,10 @@ async def run_threat(pool: Any, threat: Threat, marker: str) -> Verdict:
     passed, expected, caught_by = threat.check(result, active)
     observed = result.outcome.value
     if result.ok and result.value is not None:
-        observed += f" {result.value!r}"[:60]
+        shown = repr(result.value)
+        if len(shown) > _OBSERVED_MAX:  # said so: never cut off silently
+            shown = shown[: _OBSERVED_MAX - 1] + "\N{HORIZONTAL ELLIPSIS}"
+        observed += f" {shown}"
     after = await pool.call("cooperative", {"seconds": 0.0})
     if not after.ok:
         passed = False

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextvars
+import dataclasses
 import importlib
 import json
 import mmap
@@ -202,8 +203,13 @@ def load_registry(spec: str) -> Registry:
     if not sep or not module_name or not attr:
         raise ValueError(f"tools spec {spec!r} is not of the form 'module:attribute'")
     obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
+    for n, part in enumerate(attr.split(".")):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            # As ``from module import name`` says it, and one line (the CLI prints it).
+            where = ".".join([module_name, *attr.split(".")[:n]])
+            raise ImportError(f"cannot find {part!r} in {where!r} (tools spec {spec!r})") from None
     if callable(obj) and not isinstance(obj, Registry):
         obj = obj()
     if not isinstance(obj, Registry):
@@ -702,6 +708,11 @@ class _Server:
         self.results += 1
         extras["kept"] = slot is not None
         frame = encode(reply)
+        if len(frame) > self.max_frame:
+            # The supervisor would drop the connection over it, and the worker with it: what
+            # does not fit is left out, and said (the worker goes on serving).
+            reply = _within(reply, len(frame), self.max_frame)
+            frame = encode(reply)
         if slot is not None and len(frame) <= SLOT_PAYLOAD:
             assert self.ledger is not None
             write_slot(self.ledger, slot, self.results, frame)
@@ -728,6 +739,37 @@ class _Server:
             if seq <= self.acked:
                 return slot
         return None
+
+
+def _within(reply: Result, size: int, max_frame: int) -> Result:
+    """``reply``, whose frame of ``size`` bytes exceeds ``max_frame``, cut down until it
+    fits: first the captured output goes (counted in ``output_dropped``); then the value (an
+    ``ok`` becomes an ``error``, ``ResultTooLarge``, that says why); then the context. The
+    outcome of a call that did not return a value is kept. (``reply.extras`` is changed in
+    place: the caller goes on using it.)"""
+    extras = reply.extras
+    output = extras.pop("output", None)
+    if output:
+        extras["output_dropped"] = int(extras.get("output_dropped", 0)) + len(output)
+    cut = dataclasses.replace(reply)
+    if len(encode(cut)) <= max_frame:
+        return cut
+    if reply.outcome == "ok":
+        parts = [f"the value packs to {len(reply.value or b''):,} bytes"]
+        if output:
+            parts.append(f"the captured output, {len(output):,} bytes, was dropped")
+        cut = dataclasses.replace(
+            cut,
+            outcome="error",
+            value=None,
+            error=f"Error: the tool's result is too large to send: its message would be "
+            f"{size:,} bytes ({'; '.join(parts)}), and the pool's max_frame allows "
+            f"{max_frame:,}",
+            error_name="ResultTooLarge",
+        )
+        if len(encode(cut)) <= max_frame:
+            return cut
+    return dataclasses.replace(cut, context={})
 
 
 def _children() -> list[int]:

@@ -13,7 +13,8 @@ import inspect
 import itertools
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping
+import warnings
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Final, TypeVar, final, overload
@@ -248,6 +249,37 @@ class _DispatchState:
         self.body_signal: CancelSignal | None = None
 
 
+@final
+class _Catalog(Mapping[str, Mapping[str, Any]]):
+    """``Registry.catalog``: a read-only mapping that may still be called, as it once was."""
+
+    __slots__ = ("_descriptions",)
+
+    def __init__(self, descriptions: dict[str, dict[str, Any]]) -> None:
+        self._descriptions = descriptions
+
+    def __getitem__(self, name: str) -> Mapping[str, Any]:
+        return self._descriptions[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._descriptions)
+
+    def __len__(self) -> int:
+        return len(self._descriptions)
+
+    def __call__(self) -> list[dict[str, Any]]:
+        warnings.warn(
+            "registry.catalog() is deprecated: read the property registry.catalog, a mapping "
+            "by tool name (list(registry.catalog.values()) is the list this returns)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return list(self._descriptions.values())
+
+    def __repr__(self) -> str:
+        return f"<toolpool.Registry catalog {list(self._descriptions)}>"
+
+
 # --------------------------------------------------------------------------- the registry
 
 
@@ -367,9 +399,16 @@ class Registry:
         """The registered tools, by name (read-only)."""
         return MappingProxyType(self._tools)
 
-    def catalog(self) -> list[dict[str, Any]]:
-        """JSON-compatible descriptions of every tool, for advertising the catalog."""
-        return [spec.describe() for spec in self._tools.values()]
+    @property
+    def catalog(self) -> Mapping[str, Mapping[str, Any]]:
+        """JSON-compatible descriptions of the tools, by name, in the order registered
+        (read-only; the same shape as :attr:`toolpool.Pool.catalog`). Each description has
+        ``name``, ``description`` and ``input_schema``.
+
+        Calling it (``registry.catalog()``, the spelling before 0.1) is deprecated: it
+        warns, and returns the descriptions as a list, as it did.
+        """
+        return _Catalog({name: spec.describe() for name, spec in self._tools.items()})
 
     @property
     def in_flight(self) -> int:

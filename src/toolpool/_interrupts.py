@@ -1,0 +1,111 @@
+"""Ctrl-C for the commands that run a pool (``toolpool call``, ``toolpool demo``).
+
+The first Ctrl-C cancels the command's calls: they stop as the pool stops any call
+(cooperatively, or by SIGTERM and then SIGKILL after the graces), and one line says so. A
+second kills at once: each call still unsettled is cancelled with ``force=True`` (SIGKILL of
+its worker's tree). Either way the command returns only once every call settled and every
+process of its pool is gone, says so in one line, and exits 130; never with a traceback.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import anyio
+
+if TYPE_CHECKING:
+    from .supervisor import Call, Result
+
+__all__ = ("EXIT_INTERRUPTED", "Interrupts", "say")
+
+#: Exit status after Ctrl-C, as a shell reports a process that SIGINT ended (128 + 2).
+EXIT_INTERRUPTED = 130
+
+
+def say(line: str) -> None:
+    """One line from the command itself, on stderr."""
+    print(f"toolpool: {line}", file=sys.stderr, flush=True)
+
+
+class Interrupts:
+    """Ctrl-C handling for one command run (see the module docstring)."""
+
+    def __init__(self, cancel_grace: float, term_grace: float) -> None:
+        self.cancel_grace = cancel_grace
+        self.term_grace = term_grace
+        self.count = 0
+        """How many times Ctrl-C was pressed."""
+        self._calls: list[Call] = []
+        self._scope: anyio.CancelScope | None = None
+
+    def cancellable(self) -> anyio.CancelScope:
+        """The scope of the work the first Ctrl-C cancels (``with interrupts.cancellable():``).
+        It belongs inside the pool's ``async with``: the pool is then left normally and stops
+        its calls. (A pool left by the cancellation of a scope around it cannot escalate
+        them: its own tasks are cancelled too.)"""
+        self._scope = anyio.CancelScope()
+        if self.count:
+            self._scope.cancel()
+        return self._scope
+
+    def track(self, call: Call) -> Call:
+        """Remember ``call``: a second Ctrl-C kills it if it has not settled."""
+        self._calls = [c for c in self._calls if not c.done()]
+        if call not in self._calls:
+            self._calls.append(call)
+        return call
+
+    async def wait(self, call: Call) -> Result:
+        """Wait for ``call``'s result, as :meth:`toolpool.Pool.call` does (cancelled while
+        waiting, it cancels the call with cause ``parent``); a second Ctrl-C kills it."""
+        self.track(call)
+        try:
+            return await call
+        except anyio.get_cancelled_exc_class():
+            call.cancel({"kind": "parent"})
+            raise
+
+    async def run(self, job: Callable[[], Awaitable[int]]) -> int:
+        """Run ``job`` (which enters :meth:`cancellable`); its exit status, or 130 if
+        interrupted."""
+        status: list[int] = []
+        failure: list[Exception] = []
+        with anyio.open_signal_receiver(signal.SIGINT) as interrupts:
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    async for _ in interrupts:
+                        self._interrupted()
+
+                tg.start_soon(watch)
+                try:
+                    status.append(await job())
+                except Exception as exc:  # kept out of the task group's exception group
+                    failure.append(exc)
+                tg.cancel_scope.cancel()
+        if failure and not self.count:
+            raise failure[0]
+        if self.count:
+            say("stopped: every call settled and every process of the pool is gone")
+            return EXIT_INTERRUPTED
+        return status[0]
+
+    def _interrupted(self) -> None:
+        self.count += 1
+        if self.count == 1:
+            say(
+                "interrupted: stopping the pool. Its calls are cancelled; one that does not "
+                f"stop within {self.cancel_grace:g}s gets SIGTERM, then SIGKILL "
+                f"{self.term_grace:g}s later. Ctrl-C again to kill them now."
+            )
+            if self._scope is not None:
+                self._scope.cancel()
+            return
+        running = [c for c in self._calls if not c.done()]
+        for call in running:
+            call.cancel(force=True)
+        what = "1 call" if len(running) == 1 else f"{len(running)} calls"
+        say(f"interrupted again: killing {what} now (SIGKILL)")
