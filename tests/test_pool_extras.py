@@ -227,3 +227,31 @@ async def test_enum_dataclass_and_datetime_arguments_reach_a_worker_converted(
     }
     assert schema["properties"]["at"] == {"type": "string", "format": "date-time"}
     assert schema["properties"]["where"]["required"] == ["x", "y"]
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_pool_in_a_scope_that_is_cancelled_still_escalates_and_closes() -> None:
+    """The scope around a pool is cancelled while a call ignores its cancel: the caller's
+    cancellation reaches it at once, and the pool still runs the ladder to the end (its
+    clock, its sockets' readers and the reaper's pump are its own, not the scope's) and
+    closes with every call settled and every worker gone."""
+    with anyio.CancelScope() as scope:
+        async with toolpool.Pool(
+            "toolpool.testing.examples:registry", workers=1, cancel_grace=0.2, term_grace=0.2
+        ) as pool:
+            call = pool.submit("busy_loop", {"seconds": 60})
+            assert await call.wait_started()
+            pids = pool.worker_pids()
+            scope.cancel()
+            await anyio.sleep_forever()
+    assert scope.cancelled_caught
+    result = call.result()  # settled before the pool's close returned
+    assert result.outcome is Outcome.KILLED, result
+    assert result.cause is not None
+    assert result.cause.kind == "disposed"
+    assert result.rung in (Rung.SIGTERM, Rung.SIGKILL)
+    assert pool.worker_pids() == []
+    import psutil
+
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)

@@ -13,7 +13,7 @@ import os
 import struct
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -69,6 +69,9 @@ class Channels:
     _reaper_closing: bool
 
     def _pump(self) -> None:
+        raise NotImplementedError
+
+    def _start_task(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         raise NotImplementedError
 
     async def _start_reaper(self) -> ReaperClient:
@@ -139,8 +142,8 @@ class Channels:
             cleanup=io.cleanup,
             start=self.start_method,
         )
-        self._tg.start_soon(self._serve_worker, io)
-        self._tg.start_soon(self._watch_disconnect, io)
+        self._start_task(self._serve_worker, io)
+        self._start_task(self._watch_disconnect, io)
 
     async def _serve_worker(self, io: WorkerIO) -> None:
         """Read the worker's messages until it is gone (its ``Close`` cancels this)."""
@@ -303,6 +306,6 @@ class Channels:
         self._reaper = reaper
         reaper.own(self._owned())
         if self._tg is not None:
-            self._tg.start_soon(reaper.run)
+            self._start_task(reaper.run)
         self._core.reaper_ready(time.monotonic())
         self._pump()

@@ -19,7 +19,7 @@ import signal
 import tempfile
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any, Final, Literal, cast, final
 
@@ -241,6 +241,7 @@ class Pool(Channels):
         self._groups: weakref.WeakSet[Group] = weakref.WeakSet()
         self._call_ids = 0
         self._pumping = False
+        self._task_scopes: set[anyio.CancelScope] = set()  # the pool's own tasks
         self._clock_at = math.inf  # when the clock task next wakes
         self._clock_wake: anyio.Event | None = None
         self._closed_event: anyio.Event | None = None
@@ -288,8 +289,8 @@ class Pool(Channels):
                 cgroup_name=f"toolpool-{os.getpid()}-{id(self):x}",
             )
             self._reaper.own(self._owned())
-            self._tg.start_soon(self._reaper.run)
-            self._tg.start_soon(self._clock)
+            self._start_task(self._reaper.run)
+            self._start_task(self._clock)
             core.start(time.monotonic())
             self._pump()
             with anyio.fail_after(self.start_timeout + 5):
@@ -340,8 +341,27 @@ class Pool(Channels):
             await self._teardown()
         await self._exit_task_group()
 
+    def _start_task(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        """Run one of the pool's own tasks (a socket's reader, the clock, the reaper's pump):
+        shielded, so that a cancelled scope around the pool does not stop what settling its
+        calls and closing it need; they end when the pool closes."""
+        assert self._tg is not None
+        self._tg.start_soon(self._shielded, fn, args)
+
+    async def _shielded(
+        self, fn: Callable[..., Awaitable[object]], args: tuple[object, ...]
+    ) -> None:
+        with anyio.CancelScope(shield=True) as task_scope:
+            self._task_scopes.add(task_scope)
+            try:
+                await fn(*args)
+            finally:
+                self._task_scopes.discard(task_scope)
+
     async def _exit_task_group(self) -> None:
         tg, self._tg = self._tg, None
+        for task_scope in list(self._task_scopes):
+            task_scope.cancel()
         if tg is not None:
             tg.cancel_scope.cancel()
             await tg.__aexit__(None, None, None)
@@ -620,9 +640,9 @@ class Pool(Channels):
                 warn_inactive_layers(self.profile, self.containment())
             elif kind is Orphaned:
                 if self._tg is not None:
-                    self._tg.start_soon(self._end_orphan, cast(Orphaned, action).wid)
+                    self._start_task(self._end_orphan, cast(Orphaned, action).wid)
             elif kind is RestartReaper and self._tg is not None:
-                self._tg.start_soon(self._restart_reaper)
+                self._start_task(self._restart_reaper)
         return sent_to
 
     # ------------------------------------------------------------------ the clock
