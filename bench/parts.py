@@ -1218,7 +1218,7 @@ async def tp_cold(sz: dict[str, Any]) -> dict[str, Any]:
             import anyio
 
             await anyio.sleep(0.5)
-            pids = sorted(pool.worker_pids())
+            pids = sorted(pool.worker_pids)
             mem = _idle_memory(pids, {pool.reaper_pid: "toolpool reaper"})
         c0 = time.perf_counter()
         await pool.aclose()
@@ -1253,7 +1253,7 @@ async def _tp_add_worker(sz: dict[str, Any], method: str) -> list[dict[str, Any]
             while not w.answered:
                 await pool._wait_changed()
             runs.append({"add_s": time.perf_counter() - t0})
-        methods = sorted(set(pool.worker_start_methods().values()))
+        methods = sorted(set(pool.worker_start_methods.values()))
         if methods != [method]:
             raise RuntimeError(f"asked for {method} workers, got {methods}")
     finally:

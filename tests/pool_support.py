@@ -400,7 +400,7 @@ def assert_pool_closed(pool: toolpool.Pool, procs: list[psutil.Process], reaper_
     """Every process of the pool is gone and every call it took settled."""
     assert alive(procs) == [], "processes of the pool outlived aclose()"
     assert workers_of_reaper(reaper_pid) == []
-    assert pool.worker_pids() == []
+    assert pool.worker_pids == []
     stats = pool.statistics()
     # (stats.queued is checked in test_statistics_queued_excludes_settled_calls: see there.)
     assert stats.in_flight == 0

@@ -66,7 +66,7 @@ async def test_kit_entry(threat: Any, setup: str) -> None:
         profile=profile,
         start_method=start_method,  # type: ignore[arg-type]
     ) as pool:
-        assert set(pool.worker_start_methods().values()) == {start_method}
+        assert set(pool.worker_start_methods.values()) == {start_method}
         pool_dir = pool._dir
         cgroup_dirs = _cgroup_dirs(pool)
         marker = f"toolpool-test-{os.getpid()}-{threat.tool}-{setup}"
@@ -74,7 +74,7 @@ async def test_kit_entry(threat: Any, setup: str) -> None:
         assert verdict.passed, verdict
         assert verdict.leftovers == []
         reaper = pool.reaper_pid
-        workers = pool.worker_pids()
+        workers = pool.worker_pids
     # Closed: nothing of the pool left, its scratch and cgroup directories removed.
     for pid in [reaper, *workers]:
         assert pid is not None
@@ -278,7 +278,7 @@ async def test_each_worker_runs_as_a_uid_of_its_own_without_privileges() -> None
     profile = PER_WORKER_UID.with_limits(max_processes=64)
     async with toolpool.Pool(HOSTILE, workers=2, profile=profile) as pool:
         uids = {}
-        for pid in pool.worker_pids():
+        for pid in pool.worker_pids:
             ids = psutil.Process(pid).uids()
             assert ids.real == ids.effective == ids.saved == 2_000_000_000 + pid
             uids[pid] = ids.real
@@ -307,7 +307,7 @@ async def test_each_worker_runs_as_a_uid_of_its_own_without_privileges() -> None
 async def test_a_named_user_runs_every_worker() -> None:
     profile = Profile.default().with_limits(user="nobody")
     async with toolpool.Pool(HOSTILE, workers=2, profile=profile) as pool:
-        assert {psutil.Process(pid).uids().real for pid in pool.worker_pids()} == {65534}
+        assert {psutil.Process(pid).uids().real for pid in pool.worker_pids} == {65534}
         result = await pool.call("identity")
         assert (result.value["uid"], result.value["gid"]) == (65534, 65534)
 
@@ -319,7 +319,7 @@ async def test_another_uid_alone_blocks_signals_and_cgroup_escape() -> None:
     reaper or a sibling worker, and writing itself into the root cgroup."""
     async with toolpool.Pool(HOSTILE, workers=2, profile=PER_WORKER_UID) as pool:
         assert not _layer(pool, "landlock").active
-        result = await pool.call("signal_others", {"workers": pool.worker_pids()})
+        result = await pool.call("signal_others", {"workers": pool.worker_pids})
         assert result.value == {"reaper": "blocked", "supervisor": "blocked", "sibling": "blocked"}
         escape = await pool.call("leave_cgroup", {"marker": "unused", "block": False})
         assert escape.ok, escape
@@ -385,7 +385,7 @@ async def test_nothing_of_the_supervisors_environment_reaches_an_untrusted_worke
         async with toolpool.Pool(
             PROBES, workers=1, profile="untrusted", start_method=start_method
         ) as pool:
-            assert set(pool.worker_start_methods().values()) == {start_method}
+            assert set(pool.worker_start_methods.values()) == {start_method}
             found = await pool.call(
                 "find_in_memory", {"pattern": "TOOLPOOL_TEST_SUPERVISOR_ONLY=[0-9a-f]{32}"}
             )

@@ -140,7 +140,7 @@ async def test_violating_worker_is_killed_and_the_pool_keeps_serving(
 ) -> None:
     marker = make_marker()
     async with toolpool.Pool(TOOLS, workers=2, max_frame=MAX_FRAME, cancel_grace=5) as pool:
-        workers = {pid: psutil.Process(pid) for pid in pool.worker_pids()}
+        workers = {pid: psutil.Process(pid) for pid in pool.worker_pids}
         assert len(workers) == 2
         # A call running on the other worker: its id is the target of the forgeries.
         bystander = pool.submit("nap", {"seconds": 60})
@@ -200,7 +200,7 @@ async def test_violating_worker_is_killed_and_the_pool_keeps_serving(
         assert lost.rung is expected_rung
         expected = {"cancel": 1} | ({"sigkill": 1} if expected_rung is Rung.SIGKILL else {})
         assert dict(stats.escalations) == expected
-        survivors = [psutil.Process(pid) for pid in pool.worker_pids()]
+        survivors = [psutil.Process(pid) for pid in pool.worker_pids]
     assert all(gone(proc) for proc in survivors)
 
 
@@ -210,7 +210,7 @@ async def test_a_second_result_for_a_settled_call_kills_the_worker(
 ) -> None:
     """The worker's first result settles its call; the second is for a call it no longer owns."""
     async with toolpool.Pool(TOOLS, workers=1, max_frame=MAX_FRAME) as pool:
-        (pid,) = pool.worker_pids()
+        (pid,) = pool.worker_pids
         worker = psutil.Process(pid)
         with anyio.fail_after(20):
             first = await pool.call("forge_own_result")
@@ -251,7 +251,7 @@ async def test_a_flood_of_unsolicited_pongs_does_not_stop_the_supervisor() -> No
 @pytest.mark.anyio
 async def test_a_worker_cannot_disturb_another_workers_connection() -> None:
     async with toolpool.Pool(TOOLS, workers=2, max_frame=MAX_FRAME) as pool:
-        workers = {pid: psutil.Process(pid) for pid in pool.worker_pids()}
+        workers = {pid: psutil.Process(pid) for pid in pool.worker_pids}
         victim_call = pool.submit("nap", {"seconds": 1.5})
         # Connect to the victim's endpoint (same uid, same 0700 directory), wait, leave.
         with anyio.fail_after(20):
@@ -407,8 +407,8 @@ def test_supervisor_sigkill_leaves_no_process_behind(
                     "spawn_daemon_and_block", {{"marker": {marker!r}, "seconds": 600}}
                 )
                 emit(
-                    workers=pool.worker_pids(),
-                    methods=sorted(pool.worker_start_methods().values()),
+                    workers=pool.worker_pids,
+                    methods=sorted(pool.worker_start_methods.values()),
                     reaper=pool.reaper_pid,
                     daemon=daemon.value,
                     blocker=blocker.id,
@@ -474,8 +474,8 @@ def test_supervisor_sigkill_while_hostile_tools_run(
                 await escaper.wait_started()
                 cgroups = sorted(set(pool._cgroups.base.values())) if pool._cgroups else []
                 emit(
-                    workers=pool.worker_pids(),
-                    methods=sorted(pool.worker_start_methods().values()),
+                    workers=pool.worker_pids,
+                    methods=sorted(pool.worker_start_methods.values()),
                     reaper=pool.reaper_pid,
                     pool_dir=pool._dir,
                     cgroups=cgroups,
@@ -522,7 +522,7 @@ def test_unhashable_outcome_kills_the_worker_not_the_supervisor(
         f"""
         async def main():
             async with toolpool.Pool({TOOLS!r}, workers=1, max_frame={MAX_FRAME}) as pool:
-                emit(workers=pool.worker_pids(), reaper=pool.reaper_pid)
+                emit(workers=pool.worker_pids, reaper=pool.reaper_pid)
                 try:
                     with anyio.fail_after(20):
                         lost = await pool.call(

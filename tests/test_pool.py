@@ -115,10 +115,10 @@ async def test_start_returns_once_the_reaper_reported_every_worker(
     held = hold_spawn_reports(monkeypatch, some_turns_after_hello)
     async with toolpool.Pool(TOOLS, workers=2) as pool:
         assert len(held) == 2  # both reports came after the hellos
-        pids = pool.worker_pids()
+        pids = pool.worker_pids
         assert len(pids) == 2
         assert all(psutil.pid_exists(pid) for pid in pids)
-        assert pool.worker_start_methods() == dict.fromkeys(pids, "fork")
+        assert pool.worker_start_methods == dict.fromkeys(pids, "fork")
 
 
 async def test_a_call_served_before_the_reaper_reported_its_worker_names_it(
@@ -136,7 +136,7 @@ async def test_a_call_served_before_the_reaper_reported_its_worker_names_it(
 
     held = hold_spawn_reports(monkeypatch, until_released)  # the reaper's handler is bound
     async with toolpool.Pool(EXAMPLES, workers=1, warm_spares=0) as pool:
-        (first,) = pool.worker_pids()
+        (first,) = pool.worker_pids
         held.clear()
         replacing = True
         os.kill(first, signal.SIGKILL)
@@ -146,7 +146,7 @@ async def test_a_call_served_before_the_reaper_reported_its_worker_names_it(
         assert result.ok, result
         assert result.worker_pid == result.value != first
         assert result.leftovers_killed == 0
-        assert pool.worker_start_methods() == {}
+        assert pool.worker_start_methods == {}
         released.set()
         with anyio.fail_after(20):
             # The report itself: a call cannot stand for the loop turning (under load its
@@ -154,7 +154,7 @@ async def test_a_call_served_before_the_reaper_reported_its_worker_names_it(
             await held[replacement].wait()
             again = await pool.call("pid")
         assert again.value == result.value
-        assert pool.worker_start_methods() == {result.value: "fork"}
+        assert pool.worker_start_methods == {result.value: "fork"}
 
 
 async def test_a_call_settled_before_its_timeout_is_not_kept_until_then() -> None:
@@ -193,7 +193,7 @@ async def test_a_result_or_context_the_wire_cannot_carry_is_an_error_not_a_dead_
     for a protocol violator and killed it (worker_lost). Each call, alone or queued up in the
     worker (its lane), settles with its own outcome, and the worker serves on."""
     async with running_pool(workers=1) as pool:
-        (pid,) = pool.worker_pids()
+        (pid,) = pool.worker_pids
         calls = [pool.submit("int_keyed") for _ in range(3)]
         calls.append(pool.submit("unserializable_context"))
         with anyio.fail_after(20):
@@ -207,7 +207,7 @@ async def test_a_result_or_context_the_wire_cannot_carry_is_an_error_not_a_dead_
         assert noted.context["fine"] == [1, "two"]
         assert noted.context["int_keyed"].startswith("<not serializable: ")
         assert noted.context["looped"].startswith("<not serializable: ")
-        assert pool.worker_pids() == [pid]
+        assert pool.worker_pids == [pid]
         assert pool.statistics().workers_replaced == 0
 
 
@@ -221,7 +221,7 @@ async def test_outcome_ok() -> None:
         assert result.body_started is True
         assert result.rung is Rung.NONE
         assert result.cause is None
-        assert result.worker_pid in pool.worker_pids()
+        assert result.worker_pid in pool.worker_pids
         assert result.exit_code is None
         assert result.exit_signal is None
         assert_in_order(result, "submitted", "dispatched", "started", "returned", "settled")
@@ -317,7 +317,7 @@ async def test_outcome_aborted() -> None:
         assert result.timeline.sigterm is None
         assert result.timeline.sigkill is None
         # Cooperative: the same worker keeps serving.
-        assert pool.worker_pids() == [worker_pid]
+        assert pool.worker_pids == [worker_pid]
         assert (await pool.call("pid")).value == worker_pid
 
 
@@ -386,7 +386,7 @@ async def test_outcome_killed() -> None:
 
 async def test_outcome_worker_lost() -> None:
     async with running_pool(EXAMPLES) as pool:
-        [worker_pid] = pool.worker_pids()
+        [worker_pid] = pool.worker_pids
         tree = process_tree(worker_pid)
         result = await pool.call("crash", {"code": 7})
         assert_tree_gone(tree)
@@ -436,7 +436,7 @@ async def test_escalation_ladder(tool: str, force: bool, rung: Rung) -> None:
     async with Readiness.open() as ready, running_pool(workers=1) as pool:
         call = pool.submit(f"ready_{tool}", {"ready": ready.path, **args})
         worker_pid, *daemon_pids = await ready.started()
-        assert pool.worker_pids() == [worker_pid]
+        assert pool.worker_pids == [worker_pid]
         tree = process_tree(worker_pid)
         if tool == "spawn_daemon_and_block":
             [daemon] = find_by_marker(marker)
@@ -444,7 +444,7 @@ async def test_escalation_ladder(tool: str, force: bool, rung: Rung) -> None:
             # It escaped with setsid and a double fork, but stays in the worker's tree.
             assert daemon in tree
             assert daemon.ppid() == worker_pid
-            assert daemon.pid not in pool.worker_pids()
+            assert daemon.pid not in pool.worker_pids
         call.cancel(force=force)
         result = await call
         # Checked before anything else can run: the tree is gone at settle time.
@@ -462,7 +462,7 @@ async def test_escalation_ladder(tool: str, force: bool, rung: Rung) -> None:
             assert timeline.reaped is None
             assert timeline.sigterm is None
             assert alive(tree) == tree
-            assert pool.worker_pids() == [worker_pid]
+            assert pool.worker_pids == [worker_pid]
         else:
             assert result.outcome is Outcome.KILLED
             assert left_at_settle == []
@@ -471,7 +471,7 @@ async def test_escalation_ladder(tool: str, force: bool, rung: Rung) -> None:
             assert timeline.reaped is not None
             assert timeline.settled is not None
             assert timeline.reaped <= timeline.settled
-            assert worker_pid not in pool.worker_pids()
+            assert worker_pid not in pool.worker_pids
             if force:
                 assert timeline.sigterm is None
                 assert result.exit_signal == signal.SIGKILL
@@ -705,7 +705,7 @@ async def test_group_cancel_over_queued_and_running_calls() -> None:
                 group.submit("ready_nap", {"ready": ready.path, "seconds": 60}) for _ in range(2)
             ]
             pids = {(await ready.started())[0] for _ in range(2)}
-            assert pids == set(pool.worker_pids())
+            assert pids == set(pool.worker_pids)
             queued = [group.submit("echo", {"value": i}) for i in range(2)]
             outsider = pool.submit("echo", {"value": "outside"})
             assert pool.statistics().queued == 3
@@ -730,7 +730,7 @@ async def test_group_cancel_over_queued_and_running_calls() -> None:
         other = await outsider
         assert other.ok
         assert other.cause is None
-        assert set(pool.worker_pids()) == pids
+        assert set(pool.worker_pids) == pids
 
 
 async def test_concurrent_groups_are_independent() -> None:
@@ -871,7 +871,7 @@ async def test_pool_close_with_calls_running() -> None:
         assert not psutil.pid_exists(reaper_pid)
         assert find_by_marker(marker) == []
         assert workers_of_reaper(reaper_pid) == []
-        assert pool.worker_pids() == []
+        assert pool.worker_pids == []
         stats = pool.statistics()
         assert stats.in_flight == 0
         assert sum(stats.settled.values()) == stats.submitted == 6

@@ -17,7 +17,7 @@ EXAMPLES = "toolpool.testing.examples:registry"
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_warm_spare_serves_the_next_call_after_a_kill(anyio_backend: str) -> None:
     async with toolpool.Pool(EXAMPLES, workers=1, warm_spares=1) as pool:
-        before = set(pool.worker_pids())
+        before = set(pool.worker_pids)
         assert len(before) == 2  # one serving, one spare
         # At most `workers` calls run at once: the second waits although a process is idle.
         first = pool.submit("nap", {"seconds": 30})
@@ -36,9 +36,9 @@ async def test_a_warm_spare_serves_the_next_call_after_a_kill(anyio_backend: str
         assert killed.timeline.settled is not None
         assert served.timeline.dispatched >= killed.timeline.settled
         with anyio.fail_after(30):  # a new spare is started in the background
-            while len(pool.worker_pids()) < 2 or pool.statistics().workers.get("ready") != 2:
+            while len(pool.worker_pids) < 2 or pool.statistics().workers.get("ready") != 2:
                 await pool.call("noop")
-        assert killed.worker_pid not in pool.worker_pids()
+        assert killed.worker_pid not in pool.worker_pids
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
@@ -59,7 +59,7 @@ async def test_the_pool_runs_on_trio(anyio_backend: str) -> None:
         assert await stubborn.wait_started()
         stubborn.cancel()
         aborted, killed = await cooperative, await stubborn
-        pids = pool.worker_pids()
+        pids = pool.worker_pids
     assert ok.value == [1, 2]
     assert aborted.outcome is Outcome.ABORTED
     assert killed.outcome is Outcome.KILLED
@@ -79,7 +79,7 @@ def test_the_blocking_facade_for_scripts() -> None:
         with pytest.raises(ValueError, match="kind"):
             call.cancel({"kind": "bogus"})
         assert pool.statistics().submitted == 2
-        pids = pool._pool.worker_pids()
+        pids = pool._pool.worker_pids
     assert pids
     with pytest.raises(toolpool.PoolClosedError, match="closed"):
         pool.call("echo")
@@ -242,7 +242,7 @@ async def test_a_pool_in_a_scope_that_is_cancelled_still_escalates_and_closes() 
         ) as pool:
             call = pool.submit("busy_loop", {"seconds": 60})
             assert await call.wait_started()
-            pids = pool.worker_pids()
+            pids = pool.worker_pids
             scope.cancel()
             await anyio.sleep_forever()
     assert scope.cancelled_caught
@@ -251,7 +251,23 @@ async def test_a_pool_in_a_scope_that_is_cancelled_still_escalates_and_closes() 
     assert result.cause is not None
     assert result.cause.kind == "disposed"
     assert result.rung in (Rung.SIGTERM, Rung.SIGKILL)
-    assert pool.worker_pids() == []
+    assert pool.worker_pids == []
     import psutil
 
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_introspection_is_spelled_as_properties(anyio_backend: str) -> None:
+    """One spelling (issue 16): properties; the old call forms warn and still answer."""
+    async with toolpool.Pool("toolpool.testing.examples:registry", workers=2) as pool:
+        pids = pool.worker_pids
+        assert isinstance(pids, list)
+        assert len(pids) == 2
+        assert set(pool.worker_start_methods) == set(pids)
+        with pytest.warns(DeprecationWarning, match=r"pool.worker_pids\(\) is deprecated"):
+            assert pool.worker_pids() == pids  # type: ignore[operator]
+        with pytest.warns(DeprecationWarning, match="worker_start_methods"):
+            called = pool.worker_start_methods()  # type: ignore[operator]
+        assert called == dict(pool.worker_start_methods)

@@ -138,7 +138,7 @@ async def test_cancelling_a_call_queued_in_a_worker_withdraws_it_and_spares_the_
         assert result.timeline.sigkill is None
         # The worker, and the call it runs, never noticed.
         assert not running.done()
-        assert pool.worker_pids() == [pid]
+        assert pool.worker_pids == [pid]
         running.cancel()
         stopped = await running
         assert stopped.outcome is Outcome.ABORTED
@@ -459,7 +459,7 @@ async def test_forcing_a_call_whose_result_is_on_its_way_spares_the_call_after_i
             assert done.rung is not Rung.SIGKILL
             assert done.timeline.sigkill is None
             assert not after.done()
-            assert pool.worker_pids() == [pid]
+            assert pool.worker_pids == [pid]
             after.cancel()
             stopped = await after
             assert stopped.outcome is Outcome.ABORTED, stopped
@@ -598,7 +598,7 @@ async def test_a_forced_kill_of_a_call_not_yet_taken_up_takes_no_call_queued_beh
     a kill decided at once would land on it, uncancelled, after the worker ran the forced
     call and took up the next."""
     async with Readiness.open() as ready, running_pool(workers=1, warm_spares=1) as pool:
-        workers = pool.worker_pids()
+        workers = pool.worker_pids
         reaper = pool.reaper_pid
         assert reaper is not None
         for pid in workers:

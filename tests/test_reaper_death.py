@@ -86,7 +86,7 @@ async def test_the_reaper_killed_mid_call_with_a_cgroup() -> None:
                 after = await pool.call("pid")
             assert after.ok, after
             assert pool.reaper_pid not in (None, old_reaper)
-            assert len(pool.worker_pids()) == 2
+            assert len(pool.worker_pids) == 2
             new_reaper = pool.reaper_pid
             assert new_reaper is not None
         assert find_by_marker(marker) == []
@@ -153,13 +153,13 @@ async def test_the_reaper_killed_while_idle_and_while_closing() -> None:
         os.kill(first, signal.SIGKILL)
         with anyio.fail_after(40):
             # (A call submitted before the pool heard of it could go to a dying worker.)
-            while pool.reaper_pid == first or len(pool.worker_pids()) < 2:
+            while pool.reaper_pid == first or len(pool.worker_pids) < 2:
                 await pool._wait_changed()
             result = await pool.call("pid")
         assert result.ok, result
         second = pool.reaper_pid
         assert second not in (None, first)
-        pids = pool.worker_pids()
+        pids = pool.worker_pids
         assert second is not None
         os.kill(second, signal.SIGKILL)  # its death is read while the pool closes
         await pool.aclose()  # (in the nesting that started it: see Pool.aclose)

@@ -46,7 +46,7 @@ async def test_forked_workers_are_children_of_the_reaper_holding_none_of_its_des
     async with toolpool.Pool(TOOLS, workers=2, warm_spares=1, start_method="fork") as pool:
         reaper = pool.reaper_pid
         assert reaper is not None
-        methods = pool.worker_start_methods()
+        methods = pool.worker_start_methods
         assert sorted(methods.values()) == ["fork"] * 3
         reaper_fds = set(_fd_targets(reaper).values()) - {"/dev/null"}
         assert any(t.startswith("socket:") for t in reaper_fds)  # its line to the supervisor
@@ -85,8 +85,8 @@ async def test_forked_workers_are_children_of_the_reaper_holding_none_of_its_des
 @pytest.mark.parametrize("profile", ["default", "untrusted"])
 async def test_the_tools_module_is_imported_after_set_up_in_the_worker_itself(profile: str) -> None:
     async with toolpool.Pool(TOOLS, workers=1, start_method="fork", profile=profile) as pool:
-        (pid,) = pool.worker_pids()
-        assert pool.worker_start_methods() == {pid: "fork"}
+        (pid,) = pool.worker_pids
+        assert pool.worker_start_methods == {pid: "fork"}
         facts = (await pool.call("at_import")).value
     assert facts["pid"] == facts["now_pid"] == pid  # not imported in the reaper
     assert facts["ppid"] == pool.reaper_pid
@@ -98,7 +98,7 @@ async def test_the_tools_module_is_imported_after_set_up_in_the_worker_itself(pr
 
 async def _process_state(method: str, profile: str) -> dict[str, Any]:
     async with toolpool.Pool(TOOLS, workers=1, start_method=method, profile=profile) as pool:
-        assert set(pool.worker_start_methods().values()) == {method}
+        assert set(pool.worker_start_methods.values()) == {method}
         result = await pool.call("process_state")
         assert result.ok, result
         state: dict[str, Any] = result.value
@@ -168,7 +168,7 @@ async def test_workers_die_with_their_reaper(start_method: Any) -> None:
     async with toolpool.Pool(TOOLS, workers=2, start_method=start_method) as pool:
         reaper = pool.reaper_pid
         assert reaper is not None
-        workers = [psutil.Process(pid) for pid in pool.worker_pids()]
+        workers = [psutil.Process(pid) for pid in pool.worker_pids]
         assert len(workers) == 2
         assert all(w.ppid() == reaper for w in workers)
         cgroups = pool._cgroups

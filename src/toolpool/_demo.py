@@ -119,7 +119,7 @@ async def run_demo(out: TextIO, *, interrupts: Interrupts | None = None) -> int:
     rows = [["scenario", "tool", "outcome", "started", "rung", "total", "timeline (step +time)"]]
     async with Pool(EXAMPLES, workers=3, cancel_grace=CANCEL_GRACE, term_grace=TERM_GRACE) as pool:
         for label, scenario in _scenarios(pool, stop):
-            seen.update(pool.worker_pids())
+            seen.update(pool.worker_pids)
             with stop.cancellable():
                 result = await scenario()
             if stop.count:
@@ -136,7 +136,7 @@ async def run_demo(out: TextIO, *, interrupts: Interrupts | None = None) -> int:
                     _steps(result),
                 ]
             )
-        seen.update(pool.worker_pids())
+        seen.update(pool.worker_pids)
         if pool.reaper_pid is not None:
             seen.add(pool.reaper_pid)
         stats = pool.statistics()

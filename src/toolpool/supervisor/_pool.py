@@ -18,6 +18,7 @@ import shutil
 import signal
 import tempfile
 import time
+import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from types import MappingProxyType, TracebackType
@@ -449,19 +450,30 @@ class Pool(Channels):
         """The pid of the pool's reaper process (every worker is its child)."""
         return self._reaper.pid if self._reaper else None
 
+    @property
     def worker_pids(self) -> list[int]:
-        """Pids of the worker processes that are alive now."""
-        return [w.pid for w in self._core.live_workers() if w.pid is not None]
+        """Pids of the worker processes that are alive now (a new list each time).
 
+        A property, as ``catalog`` and ``reaper_pid`` are; calling it (``worker_pids``, its
+        old spelling) still works and warns (DeprecationWarning)."""
+        return _Deprecated(
+            [w.pid for w in self._core.live_workers() if w.pid is not None], "worker_pids"
+        )
+
+    @property
     def worker_start_methods(self) -> dict[int, str]:
         """How each live worker was started, by pid: ``"fork"`` (from the reaper's template)
         or ``"spawn"`` (a new interpreter). A worker the reaper has not reported yet (a
-        replacement, a moment after it started) is not listed."""
-        return {
-            w.pid: w.start_method
-            for w in self._core.live_workers()
-            if w.pid is not None and w.start_method is not None
-        }
+        replacement, a moment after it started) is not listed. A property; calling it (its
+        old spelling) still works and warns."""
+        return _DeprecatedMap(
+            {
+                w.pid: w.start_method
+                for w in self._core.live_workers()
+                if w.pid is not None and w.start_method is not None
+            },
+            "worker_start_methods",
+        )
 
     async def wait_idle(self) -> None:
         """Wait until no call is queued or running."""
@@ -664,6 +676,38 @@ class Pool(Channels):
 
     def __repr__(self) -> str:
         return f"<toolpool.Pool {self.tools_spec!r} workers={self.size} {self._state}>"
+
+
+class _Deprecated(list[int]):
+    """A list that may still be called, as the method it once was (with a warning)."""
+
+    def __init__(self, items: list[int], name: str) -> None:
+        super().__init__(items)
+        self._name = name
+
+    def __call__(self) -> list[int]:
+        _warn_called(self._name)
+        return list(self)
+
+
+class _DeprecatedMap(dict[int, str]):
+    """A dict that may still be called, as the method it once was (with a warning)."""
+
+    def __init__(self, items: dict[int, str], name: str) -> None:
+        super().__init__(items)
+        self._name = name
+
+    def __call__(self) -> dict[int, str]:
+        _warn_called(self._name)
+        return dict(self)
+
+
+def _warn_called(name: str) -> None:
+    warnings.warn(
+        f"pool.{name}() is deprecated: read the property pool.{name}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def _check_count(name: str, value: object, *, minimum: int) -> None:

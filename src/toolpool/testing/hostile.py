@@ -430,7 +430,7 @@ async def run_threat(pool: Any, threat: Threat, marker: str) -> Verdict:
     if "marker" in registry.tools[threat.tool].signature.json_schema()["properties"]:
         args["marker"] = marker
     if threat.tool == "signal_others":
-        args["workers"] = list(pool.worker_pids())
+        args["workers"] = list(pool.worker_pids)
     timeout = None
     if threat.action.startswith("timeout:"):
         timeout = float(threat.action.split(":", 1)[1])
