@@ -269,6 +269,20 @@ def spawn_daemon_execd(marker: str, seconds: float = 3600.0) -> int:
 
 
 @registry.tool
+def ready_child_and_block(ready: str, marker: str, seconds: float = 3600.0) -> int:
+    """Start a plain child (in the worker's session and process group, ``marker`` in its
+    argv), announce it, then block."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", marker])
+    _wait_for_exec(child.pid, marker)
+    _announce(ready, child.pid)
+    time.sleep(seconds)
+    return 0
+
+
+@registry.tool
 def ready_spawn_daemon_and_block(ready: str, marker: str, seconds: float = 3600.0) -> int:
     """``examples.spawn_daemon_and_block`` with an announcement after the daemon exists.
 

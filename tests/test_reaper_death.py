@@ -121,6 +121,30 @@ async def test_the_reaper_killed_mid_call_without_a_cgroup() -> None:
             proc.kill()
 
 
+async def test_without_a_cgroup_a_child_in_the_workers_group_still_dies_with_it() -> None:
+    """Without a cgroup the pool still kills the dead worker's process group (it leads its
+    own): a child that did not leave it is gone before the call settles."""
+    marker = new_marker()
+    try:
+        async with (
+            Readiness.open() as ready,
+            toolpool.Pool(TOOLS, workers=1, profile=NO_CGROUPS) as pool,
+        ):
+            call = pool.submit("ready_child_and_block", {"ready": ready.path, "marker": marker})
+            _, child = await ready.started()
+            reaper = pool.reaper_pid
+            assert reaper is not None
+            os.kill(reaper, signal.SIGKILL)
+            with anyio.fail_after(40):
+                result = await call
+            assert not _alive(child)
+            assert result.outcome is Outcome.WORKER_LOST, result
+            assert result.tree_verified is False  # (one that left the group: nobody knows)
+    finally:
+        for proc in find_by_marker(marker):
+            proc.kill()
+
+
 async def test_a_call_queued_in_a_worker_runs_elsewhere_when_the_reaper_dies() -> None:
     """A call waiting in a worker's queue when the reaper dies was never taken up: it runs
     on a worker of the new reaper. The one that ran is lost, once its tree is gone."""

@@ -66,16 +66,20 @@ class ReaperClient:
             theirs.close()
         ours.setblocking(False)
         self._sock = ours
-        with anyio.move_on_after(timeout):
-            while True:
-                await anyio.wait_readable(ours)
-                event = self._recv_one()
-                if event is None:
-                    break
-                if event.get("ev") == "ready":
-                    self.pid = int(event["pid"])
-                    self.subreaper = bool(event.get("subreaper"))
-                    return
+        try:
+            with anyio.move_on_after(timeout):
+                while self._sock is not None:
+                    await anyio.wait_readable(ours)
+                    event = self._recv_one()
+                    if event is None:
+                        break
+                    if event.get("ev") == "ready":
+                        self.pid = int(event["pid"])
+                        self.subreaper = bool(event.get("subreaper"))
+                        return
+        except BaseException:  # cancelled, or closed under it: leave nothing behind
+            await self.aclose()
+            raise
         await self.aclose()
         raise WorkerStartError("the pool's reaper process did not start")
 
@@ -188,22 +192,24 @@ class ReaperClient:
     async def aclose(self) -> None:
         """Ask the reaper to kill whatever is left and exit; wait until it has."""
         self.send(op="exit")
-        proc = self._proc
-        if proc is not None:
-            try:
-                with anyio.move_on_after(10):
-                    await anyio.to_thread.run_sync(proc.wait, abandon_on_cancel=True)
-                if proc.poll() is None:  # it would not go: do not leave it behind
-                    proc.kill()
-                    await anyio.to_thread.run_sync(proc.wait)
-            finally:
-                self._proc = None
-        if self._pump_done is not None:
-            # The reaper has exited: let the pump read its last events and the end of file
-            # before the socket goes away under it.
-            with anyio.move_on_after(5):
-                await self._pump_done.wait()
-        if self._sock is not None:
-            anyio.notify_closing(self._sock)
-            self._sock.close()
-            self._sock = None
+        proc, self._proc = self._proc, None
+        try:
+            # Shielded, and bounded: a cancelled caller must not leave the process or its
+            # socket behind.
+            with anyio.CancelScope(shield=True):
+                if proc is not None:
+                    with anyio.move_on_after(10):
+                        await anyio.to_thread.run_sync(proc.wait, abandon_on_cancel=True)
+                    if proc.poll() is None:  # it would not go: do not leave it behind
+                        proc.kill()
+                        await anyio.to_thread.run_sync(proc.wait)
+                if self._pump_done is not None:
+                    # The reaper has exited: let the pump read its last events and the end of
+                    # file before the socket goes away under it.
+                    with anyio.move_on_after(5):
+                        await self._pump_done.wait()
+        finally:
+            sock, self._sock = self._sock, None
+            if sock is not None:
+                anyio.notify_closing(sock)
+                sock.close()

@@ -194,6 +194,7 @@ class Reaper:
         # Blocked until the child has reset the handlers: a signal meanwhile must not run the
         # reaper's handlers in the child (nor be lost).
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED)
+        reaper = os.getpid()  # (the child's getppid() is 1 if this dies before it asks)
         try:
             pid = os.fork()
         except OSError as exc:
@@ -202,7 +203,7 @@ class Reaper:
             self.send(ev="spawn_failed", wid=wid, error=f"{type(exc).__name__}: {exc}")
             return
         if pid == 0:
-            self._become_worker(msg, stdin_r)  # never returns
+            self._become_worker(msg, stdin_r, reaper)  # never returns
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(stdin_r)
         self._record(wid, pid, msg)
@@ -217,7 +218,7 @@ class Reaper:
         self.groups[wid] = [str(d) for d in msg.get("groups") or []]
         self.cleanup[wid] = list(msg.get("cleanup") or [])
 
-    def _become_worker(self, msg: dict[str, Any], stdin_r: int) -> NoReturn:
+    def _become_worker(self, msg: dict[str, Any], stdin_r: int, reaper: int) -> NoReturn:
         """In the forked child: reset what ``subprocess`` would (file descriptors, signals,
         session, working directory), then run the worker; never return into the reaper."""
         try:
@@ -236,7 +237,7 @@ class Reaper:
             os.setsid()
             if msg.get("cwd"):
                 os.chdir(msg["cwd"])
-            set_cmdline(["python -m toolpool.worker", "--parent-pid", str(os.getppid())])
+            set_cmdline(["python -m toolpool.worker", "--parent-pid", str(reaper)])
             signal.pthread_sigmask(signal.SIG_SETMASK, set())
             env = msg.get("env")
             self.template.module.run(

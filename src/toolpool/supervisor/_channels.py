@@ -10,6 +10,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import struct
 import sys
 import time
@@ -75,7 +76,8 @@ class Channels:
         raise NotImplementedError
 
     async def _start_reaper(self) -> ReaperClient:
-        reaper = ReaperClient(self._on_reaper_event)
+        # The pool's from the start: a close meanwhile closes it too (its process included).
+        reaper = self._reaper = ReaperClient(self._on_reaper_event)
         await reaper.start(self.start_timeout)
         if self.start_method == "fork":  # the reaper imports while we set up the rest
             paths = worker_env(self._env, self.profile, None)["PYTHONPATH"].split(os.pathsep)
@@ -278,6 +280,13 @@ class Channels:
         io = self._io.get(wid)
         w = self._core.workers.get(wid)
         verified = False
+        if w is not None and w.pid is not None:
+            # It leads its own process group: what did not leave the group goes now, with or
+            # without a cgroup (and whatever left it, only a cgroup can find).
+            try:
+                os.killpg(w.pid, signal.SIGKILL)
+            except OSError:
+                pass
         if io is not None and io.groups:
             verified = await anyio.to_thread.run_sync(empty_cgroups, io.kill_dir, io.groups)
         if w is not None and w.pid is not None:
@@ -303,7 +312,8 @@ class Channels:
             self._core.reaper_failed(f"{type(exc).__name__}: {exc}", time.monotonic())
             self._pump()
             return
-        self._reaper = reaper
+        if self._reaper_closing:
+            return  # the pool closed it meanwhile
         reaper.own(self._owned())
         if self._tg is not None:
             self._start_task(reaper.run)

@@ -238,7 +238,8 @@ class PoolCore(Lifecycle):
                 self._run_procs()
             if not self._dispatch_due:
                 break
-            self._run_dispatch()
+            self._dispatch_due = False
+            self._dispatch_once()
         out, self._out = self._out, []
         return out
 

@@ -201,4 +201,4 @@ class Dispatch(Settlement):
             if w.state is WorkerState.BUSY and not w.calls:
                 w.state = WorkerState.READY
                 self.ready.append(w)
-        self._dispatch()
+        self._dispatch_due = True  # (_dispatch, inline: once per call)

@@ -283,7 +283,8 @@ class Pool(Channels):
             # once they own it) by name; nobody but the supervisor can list the directory.
             os.chmod(self._dir, 0o700 if self.profile.user is None else 0o711)
             self._ctx = zmq.Context(io_threads=1)
-            self._reaper = await self._start_reaper()
+            await self._start_reaper()
+            assert self._reaper is not None
             self._supervisor_layers, self._cgroups = supervisor_layers(
                 self.profile,
                 subreaper=self._reaper.subreaper,
@@ -588,8 +589,8 @@ class Pool(Channels):
                     break  # (nothing read, nothing new: the next flush would be empty)
         finally:
             self._pumping = False
-        when = core.next_deadline()
-        if when is not None and when < self._clock_at and self._clock_wake is not None:
+        timers = core.timers  # (next_deadline, inline: once per call)
+        if timers and timers[0][0] < self._clock_at and self._clock_wake is not None:
             self._clock_wake.set()
 
     def _perform(self, actions: list[Action]) -> list[WorkerIO]:
@@ -600,7 +601,11 @@ class Pool(Channels):
         for action in actions:
             kind = type(action)
             if kind is Settled:
-                action[0]._wake()  # type: ignore[union-attr,misc]
+                call: Call = action[0]  # type: ignore[misc,assignment]  # (Call._wake, inline)
+                if call._event is not None:
+                    call._event.set()
+                if call._started_event is not None:
+                    call._started_event.set()
             elif kind is Send:
                 send: Send = action  # type: ignore[assignment]
                 io = self._io.get(send.wid)
