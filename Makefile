@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck check demo bench bench-smoke sim clean
+.PHONY: install test lint typecheck check demo bench bench-smoke sim soak clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,3 +43,7 @@ bench-smoke: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# A chaos soak with real processes: 10,000 calls by default (SOAK_ARGS="--calls N --seed S ...").
+soak: $(STAMP)
+	$(PY) bench/soak.py $(SOAK_ARGS)
