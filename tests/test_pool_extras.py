@@ -271,3 +271,21 @@ async def test_introspection_is_spelled_as_properties(anyio_backend: str) -> Non
         with pytest.warns(DeprecationWarning, match="worker_start_methods"):
             called = pool.worker_start_methods()  # type: ignore[operator]
         assert called == dict(pool.worker_start_methods)
+
+
+@pytest.mark.parametrize("bad", [0, -1, "x", True, 1.5, None])
+def test_max_start_failures_is_validated(bad: object) -> None:
+    with pytest.raises(ValueError, match="max_start_failures must be a positive integer"):
+        toolpool.Pool("toolpool.testing.examples:registry", max_start_failures=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_args_over_the_frame_limit_name_the_usable_size(anyio_backend: str) -> None:
+    async with toolpool.Pool(
+        "toolpool.testing.examples:registry", workers=1, max_frame=4096
+    ) as pool:
+        with pytest.raises(ValueError, match="exceed the 3072 bytes a call can carry"):
+            pool.submit("echo", {"value": "x" * 5000})
+        fits = await pool.call("echo", {"value": "x" * 2900})
+        assert fits.ok, fits

@@ -143,6 +143,12 @@ class PoolCore(Lifecycle):
         w = self.workers.get(wid)
         if w is not None and not w.gone:
             w.disconnected = True
+            _log.info(
+                "worker %s (pid %s): its connection dropped (dying, or an oversized frame)",
+                wid,
+                w.pid,
+                extra={"worker_pid": w.pid},
+            )
             self._quarantine(w, None)
 
     def send_failed(self, wid: int, calls: tuple[CallRecord, ...], now: float) -> None:

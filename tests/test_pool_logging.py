@@ -1,0 +1,75 @@
+"""Operators see what the pool does: one log line per lifecycle fact, with structured fields
+(issue 16, item 2), and none per successful call."""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+import pytest
+
+import toolpool
+from toolpool import Outcome
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+EXAMPLES = "toolpool.testing.examples:registry"
+
+
+def _lines(caplog: pytest.LogCaptureFixture, needle: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if needle in r.getMessage()]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_crashes_kills_and_replacements_are_logged(
+    anyio_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="toolpool")
+    async with toolpool.Pool(EXAMPLES, workers=1, cancel_grace=0.2, term_grace=0.3) as pool:
+        (first,) = pool.worker_pids
+        assert _lines(caplog, "ready"), caplog.text
+        quiet = len(caplog.records)
+        for _ in range(20):
+            assert (await pool.call("noop")).ok
+        assert [r for r in caplog.records[quiet:] if r.levelno >= logging.INFO] == []
+
+        crashed = await pool.call("crash", {"code": 3})
+        assert crashed.outcome is Outcome.WORKER_LOST
+        (died,) = _lines(caplog, "died during a call")
+        assert died.levelno == logging.WARNING
+        assert died.worker_pid == first  # type: ignore[attr-defined]
+        assert "status 3" in died.why  # type: ignore[attr-defined]
+        assert _lines(caplog, "replaced by worker")
+
+        call = pool.submit("busy_loop", {"seconds": 60})  # only SIGTERM stops it
+        assert await call.wait_started()
+        call.cancel()
+        with anyio.fail_after(20):
+            killed = await call
+        assert killed.outcome is Outcome.KILLED
+        (term,) = _lines(caplog, "SIGTERM to its tree")
+        assert term.levelno == logging.INFO
+        assert term.rung == "sigterm"  # type: ignore[attr-defined]
+        assert term.call_id == call.id  # type: ignore[attr-defined]
+        assert term.tool == "busy_loop"  # type: ignore[attr-defined]
+
+        stubborn = pool.submit("ignore_sigterm", {"seconds": 60})
+        assert await stubborn.wait_started()
+        stubborn.cancel(force=True)
+        with anyio.fail_after(20):
+            assert (await stubborn).outcome is Outcome.KILLED
+        (kill,) = _lines(caplog, "SIGKILL to its tree")
+        assert kill.rung == "sigkill"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_start_failure_is_logged(
+    anyio_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="toolpool")
+    pool = toolpool.Pool("toolpool_no_such_module_xyz:registry", workers=1)
+    with anyio.fail_after(30), pytest.raises(toolpool.WorkerStartError):
+        await pool.start()
+    (failed,) = _lines(caplog, "failed to start")
+    assert failed.levelno == logging.WARNING
+    assert "ModuleNotFoundError" in failed.getMessage()
