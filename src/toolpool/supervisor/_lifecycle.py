@@ -79,7 +79,9 @@ class Lifecycle(Escalation):
         w.answered = True
         self._quarantine(w, None)
         self.start_failures += 1
-        _log.warning(
+        _log.log(
+            # At start the caller gets the error (WorkerStartError); later, only the log.
+            logging.INFO if self.starting else logging.WARNING,
             "worker %s (pid %s) failed to start: %s",
             w.wid,
             w.pid,
