@@ -18,7 +18,6 @@ import shutil
 import signal
 import tempfile
 import time
-import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from types import MappingProxyType, TracebackType
@@ -68,7 +67,7 @@ from ._records import (
     Started,
     Terminate,
 )
-from ._results import ContainmentReport, Result, Statistics
+from ._results import CallableDict, CallableList, ContainmentReport, Result, Statistics
 from ._state import CoreConfig
 from ._workerio import (
     KILL_WAIT,
@@ -457,7 +456,7 @@ class Pool(Channels):
 
         A property, as ``catalog`` and ``reaper_pid`` are; calling it (``worker_pids``, its
         old spelling) still works and warns (DeprecationWarning)."""
-        return _Deprecated(
+        return CallableList(
             [w.pid for w in self._core.live_workers() if w.pid is not None], "worker_pids"
         )
 
@@ -467,7 +466,7 @@ class Pool(Channels):
         or ``"spawn"`` (a new interpreter). A worker the reaper has not reported yet (a
         replacement, a moment after it started) is not listed. A property; calling it (its
         old spelling) still works and warns."""
-        return _DeprecatedMap(
+        return CallableDict(
             {
                 w.pid: w.start_method
                 for w in self._core.live_workers()
@@ -681,38 +680,6 @@ class Pool(Channels):
 
     def __repr__(self) -> str:
         return f"<toolpool.Pool {self.tools_spec!r} workers={self.size} {self._state}>"
-
-
-class _Deprecated(list[int]):
-    """A list that may still be called, as the method it once was (with a warning)."""
-
-    def __init__(self, items: list[int], name: str) -> None:
-        super().__init__(items)
-        self._name = name
-
-    def __call__(self) -> list[int]:
-        _warn_called(self._name)
-        return list(self)
-
-
-class _DeprecatedMap(dict[int, str]):
-    """A dict that may still be called, as the method it once was (with a warning)."""
-
-    def __init__(self, items: dict[int, str], name: str) -> None:
-        super().__init__(items)
-        self._name = name
-
-    def __call__(self) -> dict[int, str]:
-        _warn_called(self._name)
-        return dict(self)
-
-
-def _warn_called(name: str) -> None:
-    warnings.warn(
-        f"pool.{name}() is deprecated: read the property pool.{name}",
-        DeprecationWarning,
-        stacklevel=3,
-    )
 
 
 def _check_count(name: str, value: object, *, minimum: int) -> None:

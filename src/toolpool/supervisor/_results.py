@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -11,6 +12,8 @@ from typing import Any, final
 from ..core import CancelCause, Outcome
 
 __all__ = (
+    "CallableDict",
+    "CallableList",
     "ContainmentReport",
     "Layer",
     "Result",
@@ -201,3 +204,37 @@ class ContainmentReport:
             mark = "active  " if layer.active else "inactive"
             lines.append(f"  {layer.name.ljust(width)}  {mark}  {layer.detail}")
         return "\n".join(lines)
+
+
+class CallableList(list[int]):
+    """``pool.worker_pids``: a list that may still be called, as the method it once was
+    (with a DeprecationWarning)."""
+
+    def __init__(self, items: list[int], name: str) -> None:
+        super().__init__(items)
+        self._name = name
+
+    def __call__(self) -> list[int]:
+        _warn_called(self._name)
+        return list(self)
+
+
+class CallableDict(dict[int, str]):
+    """``pool.worker_start_methods``: a dict that may still be called, as the method it once
+    was (with a DeprecationWarning)."""
+
+    def __init__(self, items: dict[int, str], name: str) -> None:
+        super().__init__(items)
+        self._name = name
+
+    def __call__(self) -> dict[int, str]:
+        _warn_called(self._name)
+        return dict(self)
+
+
+def _warn_called(name: str) -> None:
+    warnings.warn(
+        f"pool.{name}() is deprecated: read the property pool.{name}",
+        DeprecationWarning,
+        stacklevel=3,
+    )

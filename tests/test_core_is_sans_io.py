@@ -1,0 +1,61 @@
+"""The pool's core does no I/O (docs/core.md): its modules import neither anyio, zmq, a
+socket, a subprocess nor a clock, and call none of os's process functions; worker/ and
+supervisor/ never import each other; protocol/ and core/ are leaves."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "toolpool"
+CORE = ("_records", "_state", "_settlement", "_dispatch", "_escalation", "_lifecycle", "_core")
+FORBIDDEN_MODULES = {"anyio", "zmq", "socket", "subprocess", "select", "selectors", "asyncio"}
+FORBIDDEN_CALLS = {
+    ("os", name)
+    for name in ("kill", "killpg", "fork", "waitpid", "waitid", "pidfd_open", "open", "read")
+} | {("time", name) for name in ("monotonic", "time", "perf_counter", "sleep")}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            found.add(base)
+    return found
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_the_core_does_no_io(module: str) -> None:
+    path = SRC / "supervisor" / f"{module}.py"
+    imports = _imports(path)
+    assert not {i.split(".")[0] for i in imports} & FORBIDDEN_MODULES, imports
+    assert "os" not in imports, imports
+    assert "time" not in imports, imports
+    # ... and none of the shell's modules (which do the I/O).
+    assert not imports & {"._pool", "._channels", "._workerio", "._calls"}, imports
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            assert (node.value.id, node.attr) not in FORBIDDEN_CALLS, (module, node.attr)
+
+
+def test_worker_and_supervisor_never_import_each_other_and_the_leaves_stay_leaves() -> None:
+    for part, others in (
+        ("worker", ("supervisor", "reaper")),
+        ("supervisor", ("worker",)),
+        ("protocol", ("supervisor", "worker", "reaper", "sandbox", "core")),
+        ("core", ("supervisor", "worker", "reaper", "sandbox", "protocol")),
+    ):
+        for path in (SRC / part).glob("*.py"):
+            for imported in _imports(path):
+                for other in others:
+                    assert not imported.startswith((f"..{other}", f"toolpool.{other}")), (
+                        path.name,
+                        imported,
+                    )
