@@ -273,12 +273,37 @@ def encode(message: WorkerMessage | SupervisorMessage) -> bytes:
     return msgpack.packb([message.TYPE, *message.fields()], use_bin_type=True)
 
 
-def pack_value(value: Any) -> bytes:
-    """Pack a value (arguments, a result value) as msgpack; raises TypeError if it cannot."""
+def pack_value(value: Any, name: str = "the value") -> bytes:
+    """Pack a value (arguments, a result value) as msgpack; raises TypeError if it cannot, or
+    if the other side would refuse it (a map key that is not a string, an ext type), saying
+    where in ``value`` (called ``name`` in the message)."""
     try:
-        return msgpack.packb(value, use_bin_type=True)
+        packed: bytes = msgpack.packb(value, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(f"not serializable with msgpack: {exc}") from None
+    try:  # what the other side's decoder accepts (it is strict: _unpack)
+        msgpack.unpackb(packed, raw=False, strict_map_key=True, ext_hook=_reject_ext)
+    except Exception as exc:
+        raise TypeError(_refused(value, name, exc)) from None
+    return packed
+
+
+def _refused(value: Any, name: str, exc: Exception) -> str:
+    """Why the decoder refuses ``value``: the first map key that is not a string, and where."""
+    stack: list[tuple[str, Any]] = [(name, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                if not isinstance(key, (str, bytes)):
+                    return (
+                        f"not serializable for the wire: {where} has a key that is not a "
+                        f"string: {key!r} ({type(key).__name__}); map keys must be str"
+                    )
+                stack.append((f"{where}[{key!r}]", inner))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((f"{where}[{i}]", inner) for i, inner in enumerate(item))
+    return f"not serializable for the wire: {exc}"
 
 
 def _unpack(frame: bytes, max_len: int) -> Any:

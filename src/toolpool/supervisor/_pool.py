@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import secrets
-import shutil
 import signal
 import struct
 import sys
@@ -75,7 +74,7 @@ from ..protocol import (
     Result as ResultMessage,
 )
 from ..protocol._ledger import LEDGER_SIZE, read_ledger, read_marks
-from ..reaper import ReaperClient
+from ..reaper import CloseReport, ReaperClient, finish_cleanup
 from ..sandbox import LAYERS, Profile, parse_size
 from ..sandbox._cgroups import CgroupSet, others_listed
 from ..sandbox._profile import _human as _human_size
@@ -536,6 +535,7 @@ class Pool:
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._dir: str | None = None
         self._reaper: ReaperClient | None = None
+        self._close_report = CloseReport()
         self._workers: dict[int, _Worker] = {}
         self._ready: list[_Worker] = []
         self._queue: collections.deque[Call] = collections.deque()
@@ -630,11 +630,12 @@ class Pool:
             raise
         self._state = "running"
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> CloseReport:
         """Cancel every call with cause ``disposed`` and stop every worker (CONTRACT C5.3).
 
         Returns only when every call has settled and every worker process, and everything
-        it spawned, is gone. Idempotent.
+        it spawned, is gone. Idempotent. Returns what is left on disk: a
+        :class:`toolpool.CloseReport` (a huge scratch tree is removed in the background).
 
         Call it from the task and the cancel-scope nesting that called :meth:`start` (not,
         say, inside a ``fail_after`` entered after ``start()``): the pool's anyio task group
@@ -643,11 +644,11 @@ class Pool:
         """
         if self._state in ("closed", "new"):
             self._state = "closed"
-            return
+            return self._close_report
         if self._state == "closing":
             assert self._closed_event is not None
             await self._closed_event.wait()
-            return
+            return self._close_report
         self._state = "closing"
         with anyio.CancelScope(shield=True):
             for group in list(self._groups):
@@ -658,6 +659,7 @@ class Pool:
                 await next(iter(self._calls.values())).wait()
             await self._teardown()
         await self._exit_task_group()
+        return self._close_report
 
     async def _exit_task_group(self) -> None:
         tg, self._tg = self._tg, None
@@ -695,7 +697,7 @@ class Pool:
             self._cgroups.remove()
             self._cgroups = None
         if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self._close_report = await finish_cleanup(self._dir, self._reaper)
             self._dir = None
 
     def _setup_containment(self) -> None:
@@ -938,7 +940,7 @@ class Pool:
             args = {}
         if not isinstance(args, Mapping):
             raise TypeError(f"args must be a mapping, not {type(args).__name__}")
-        packed = pack_value(dict(args))
+        packed = pack_value(dict(args), "args")
         if len(packed) > self.max_frame - 1024:
             raise ValueError(f"args of {len(packed)} bytes exceed max_frame={self.max_frame}")
         if timeout is not None and (
