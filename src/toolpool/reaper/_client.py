@@ -301,8 +301,8 @@ class ReaperClient:
 def _log_cleanup(event: dict[str, Any]) -> None:
     where = f"worker {event['wid']}'s" if event.get("wid") is not None else "the pool's"
     if event.get("ev") == "cleanup_pending":
-        _log.warning(
-            "%s directory %s is large: %s entries removed, removing the rest in the background",
+        _log.info(
+            "%s directory %s: %s entries removed, removing the rest in the background",
             where,
             event.get("path"),
             event.get("removed"),

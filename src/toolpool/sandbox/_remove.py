@@ -272,7 +272,8 @@ class Removal:
             if st.st_dev != self._dev and self._dev is not None:
                 return None
             os.chmod(f"/proc/self/fd/{handle}", 0o700)
-            return os.open(f"/proc/self/fd/{handle}", _DIR_FLAGS)
+            # The magic link names this very directory (so no O_NOFOLLOW, which refuses it).
+            return os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
             return None
         finally:

@@ -773,6 +773,7 @@ class Pool:
         asked = {
             "netns": not profile.network,
             "ipcns": profile.private_ipc,
+            "readonly_fs": profile.readonly_fs,
             "landlock": profile.landlock,
             "uid": profile.user is not None,
         }
@@ -800,6 +801,7 @@ class Pool:
             merged["netns"] = (bool(worker["netns"][0]), str(worker["netns"][1]))
         requested = (
             ("ipcns", self.profile.private_ipc),
+            ("readonly_fs", self.profile.readonly_fs),
             ("landlock", self.profile.landlock),
             ("uid", self.profile.user),
         )
