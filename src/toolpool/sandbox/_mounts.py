@@ -18,6 +18,9 @@ import ctypes
 import os
 
 from ._identity import MS_BIND, MS_PRIVATE, MS_RDONLY, MS_REC, MS_REMOUNT, _libc, _mount
+from ._linux import prctl
+
+PR_SET_DUMPABLE = 4
 
 __all__ = ("METADATA_WARNING", "readonly_view")
 
@@ -67,13 +70,26 @@ def _own_namespace() -> str:
     uid, gid = os.getuid(), os.getgid()
     if os.geteuid() == 0 or libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
         raise OSError(f"no mount namespace: unshare(CLONE_NEWNS): {first}")
+    try:
+        _map_ids(uid, gid)
+    except PermissionError:
+        # A process that changed its uid is not dumpable, so its /proc files are not its own:
+        # it may make itself dumpable again (a process of that uid could ptrace it anyway).
+        prctl(PR_SET_DUMPABLE, 1)
+        try:
+            _map_ids(uid, gid)
+        except OSError as exc:  # in a user namespace without ids: there is no going back
+            raise RuntimeError(f"the read-only view failed half way: {exc}") from exc
+    return "own mount namespace (in a user namespace)"
+
+
+def _map_ids(uid: int, gid: int) -> None:
     with open("/proc/self/setgroups", "w") as f:
         f.write("deny")
     with open("/proc/self/uid_map", "w") as f:
         f.write(f"{uid} {uid} 1")
     with open("/proc/self/gid_map", "w") as f:
         f.write(f"{gid} {gid} 1")
-    return "own mount namespace (in a user namespace)"
 
 
 def readonly_view(writable: list[str], keep: tuple[str, ...] = ()) -> str:

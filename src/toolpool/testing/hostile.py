@@ -623,7 +623,8 @@ async def _litter_then_close(pool: Any, threat: Threat, marker: str) -> Observed
 
 
 def _facts(result: Any, layers: set[str]) -> tuple[bool, str, str]:
-    return all(result.facts.values()), "reaper and bystander unharmed, tree removed", "_remove"
+    ok = all(result.facts.values())
+    return ok, "reaper and bystander unharmed, tree removed", "bounded remover"
 
 
 def _xattrs(path: str) -> dict[str, bytes]:
@@ -792,7 +793,7 @@ THREATS: tuple[Threat, ...] = (
     Threat(
         "hostile tree in scratch, then its worker exits",
         "litter_scratch",
-        {"depth": 3000, "files": 2000},
+        {"depth": 3000, "files": 1000},
         "run",
         _facts,
         _litter_then_exit,
@@ -800,7 +801,7 @@ THREATS: tuple[Threat, ...] = (
     Threat(
         "hostile tree in scratch at the pool's close",
         "litter_scratch",
-        {"depth": 3000, "files": 2000},
+        {"depth": 3000, "files": 1000},
         "run",
         _facts,
         _litter_then_close,
