@@ -492,8 +492,8 @@ async def test_a_pool_directory_under_a_closed_directory_still_works(
     async with toolpool.Pool(PROBES, workers=1, profile=PER_WORKER_UID) as pool:
         assert pool._dir is not None
         assert pool._dir.startswith(str(tmp_path))
-        written = await pool.call("litter_scratch", {"depth": 50, "files": 50})  # scratch: rw
-        assert written.ok, written
+        written = await pool.call("write_here", {"name": "note.txt", "text": "scratch works"})
+        assert written.value == "scratch works", written
         assert _layer(pool, "uid").active
 
 

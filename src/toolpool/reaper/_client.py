@@ -281,6 +281,8 @@ class ReaperClient:
                     threading.Thread(
                         target=proc.wait, name="toolpool-reaper-cleanup", daemon=True
                     ).start()
+                elif self.unfinished:  # it finished them, and exited, meanwhile
+                    self.unfinished = []
                 elif proc.poll() is None:  # it would not go: do not leave it behind
                     proc.kill()
                     await anyio.to_thread.run_sync(proc.wait)
