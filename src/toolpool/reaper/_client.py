@@ -266,10 +266,12 @@ class ReaperClient:
         try:
             if proc is not None:
                 with anyio.move_on_after(10):
-                    if self._pump_done is not None:  # its bye (or its end) first
-                        await self._pump_done.wait()
-                    if not self.unfinished:
-                        await anyio.to_thread.run_sync(proc.wait, abandon_on_cancel=True)
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(_wait_exit, proc)
+                        if self._pump_done is not None:
+                            await self._pump_done.wait()  # its bye, or its end
+                            if self.unfinished:  # it stays on to remove them: do not wait
+                                tg.cancel_scope.cancel()
                 if self.unfinished and proc.poll() is None:
                     self.lingering_pid = proc.pid
                     _log.warning(
@@ -298,6 +300,10 @@ class ReaperClient:
             anyio.notify_closing(self._sock)
             self._sock.close()
             self._sock = None
+
+
+async def _wait_exit(proc: subprocess.Popen[bytes]) -> None:
+    await anyio.to_thread.run_sync(proc.wait, abandon_on_cancel=True)
 
 
 def _log_cleanup(event: dict[str, Any]) -> None:

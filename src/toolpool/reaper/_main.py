@@ -515,7 +515,10 @@ class Reaper:
             self.removals.append((None, remove.Removal(path)))
         self.work_removals(self.exit_budget)
         left = [removal.path for _, removal in self.removals]
-        self.send(ev="bye", unfinished=left, failed=self.failed)
+        news = {"unfinished": left} if left else {}  # (a plain bye: nothing is left)
+        if self.failed:
+            news["failed"] = self.failed
+        self.send(ev="bye", **news)
         while self.removals:  # nobody waits for us now: no slices, no budget
             _wid, removal = self.removals.popleft()
             removal.step(None)

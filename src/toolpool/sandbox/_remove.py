@@ -347,7 +347,9 @@ class Removal:
             os.unlink(name, dir_fd=frame.fd)
             self.removed += 1
             return
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            if _exists(frame.fd, name):  # listed, yet not there: never loop on it
+                self._skip(frame, name, exc)
             return
         except IsADirectoryError:  # it became one under the walk
             frame.batch.append(name)
@@ -399,7 +401,9 @@ class Removal:
             return
         try:
             fd = _open_dir(frame.fd, name)
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            if _exists(frame.fd, name):  # listed, yet not there: never loop on it
+                self._skip(frame, name, exc)
             return
         except OSError as exc:
             if exc.errno in (errno.ENOTDIR, errno.ELOOP):  # no longer a directory
