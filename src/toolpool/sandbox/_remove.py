@@ -325,7 +325,7 @@ class Removal:
                 if name in frame.skipped:
                     continue
                 count += 1
-                if deadline is not None and count % 256 == 0 and time.monotonic() >= deadline:
+                if deadline is not None and count % 32 == 0 and time.monotonic() >= deadline:
                     frame.batch.clear()
                     return True
                 try:
