@@ -8,10 +8,12 @@ anywhere on the machine, and leave a pool that still serves calls.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -96,7 +98,7 @@ async def test_untrusted_profile_activates_every_layer_this_machine_has() -> Non
     active = {layer.name for layer in report.layers if layer.active}
     expected = {"session", "subreaper", "pidfd", "rlimits", "netns", "scratch_dir"}
     expected |= {"env_allowlist", "landlock", "cgroup_kill", "cgroup_memory", "cgroup_pids"}
-    expected |= {"uid", "ipcns"}
+    expected |= {"uid", "ipcns", "readonly_fs"}
     assert expected <= active, report.format()
     assert report.profile == "untrusted"
     assert "layers:" in report.format()
@@ -670,3 +672,144 @@ async def test_tree_peak_memory_is_measured_per_call_where_a_memory_cgroup_is_in
     assert big.tree_max_memory >= 64 * 1024 * 1024
     assert small.tree_max_memory is not None
     assert small.tree_max_memory < big.tree_max_memory  # reset at every dispatch
+
+
+# ----------------------------------------------------------------------------- metadata outside
+
+METADATA = next(t for t in THREATS if t.tool == "touch_outside")
+
+
+@pytest.mark.anyio
+@needs_root
+async def test_landlock_alone_leaves_metadata_writable_and_says_so() -> None:
+    """The hole of issue 14: without the read-only mounts, Landlock refuses content and
+    names but a tool still changes times and extended attributes outside its scratch."""
+    from toolpool.sandbox._mounts import METADATA_WARNING
+
+    profile = Profile.untrusted().with_limits(readonly_fs=False)
+    async with toolpool.Pool(HOSTILE, workers=1, profile=profile) as pool:
+        verdict = await run_threat(pool, METADATA, "unused")
+        landlock = _layer(pool, "landlock")
+        readonly = _layer(pool, "readonly_fs")
+    assert verdict.passed, verdict
+    assert verdict.caught_by == "landlock"
+    for op in ("utime file", "utime dir", "setxattr file", "removexattr dir"):
+        assert op in verdict.observed
+    assert landlock.active
+    assert METADATA_WARNING in landlock.detail
+    assert not readonly.active
+
+
+@pytest.mark.anyio
+@needs_root
+async def test_read_only_mounts_alone_refuse_every_change_outside_the_scratch() -> None:
+    profile = PER_WORKER_UID.with_limits(readonly_fs=True)
+    async with toolpool.Pool(HOSTILE, workers=1, profile=profile) as pool:
+        verdict = await run_threat(pool, METADATA, "unused")
+        layer = _layer(pool, "readonly_fs")
+        written = await pool.call("litter_scratch", {"depth": 50, "files": 50})  # scratch: rw
+    assert verdict.passed, verdict
+    assert verdict.caught_by == "readonly_fs"
+    assert verdict.observed == "all refused"
+    assert layer.active, layer
+    assert "read-only but" in layer.detail
+    assert written.ok, written
+
+
+READONLY_PROBE = """
+import json, os, sys
+from toolpool.sandbox import Profile
+from toolpool.sandbox import _landlock, _mounts  # (nobody could not import them later)
+from toolpool.sandbox._apply import apply_profile
+
+scratch, target, mode = sys.argv[1:4]
+if mode == "no-namespace":
+    def refuse():
+        raise OSError("no mount namespace: unshare(CLONE_NEWNS): Operation not permitted")
+    _mounts._own_namespace = refuse
+elif mode == "unprivileged":
+    os.setresgid(65534, 65534, 65534)
+    os.setgroups([])
+    os.setresuid(65534, 65534, 65534)
+os.chdir(scratch)
+report = apply_profile(Profile(core_dumps=True, readonly_fs=True, landlock=True), [])
+outcome = {}
+for name, op in (("utime", lambda: os.utime(target, None)),
+                 ("setxattr", lambda: os.setxattr(target, "user.x", b"1")),
+                 ("scratch", lambda: open("note", "w").close())):
+    try:
+        op()
+        outcome[name] = "done"
+    except OSError as exc:
+        outcome[name] = os.strerror(exc.errno)
+print(json.dumps({"report": report, "outcome": outcome}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["no-namespace", "unprivileged"])
+def test_without_privilege_the_view_comes_from_a_user_namespace_or_is_reported_missing(
+    mode: str,
+) -> None:
+    """``no-namespace``: no mount namespace can be had; Landlock stays, and both layers say
+    metadata outside the scratch is writable (and it is). ``unprivileged``: not root, the
+    view is built in a user namespace where the kernel allows one."""
+    from toolpool.sandbox._mounts import METADATA_WARNING
+
+    if mode == "unprivileged" and not IS_ROOT:
+        pytest.skip("the probe drops from root to nobody")
+    base = Path(tempfile.mkdtemp(prefix="toolpool-test-ro-"))
+    try:
+        base.chmod(0o755)
+        scratch, target = base / "scratch", base / "target"
+        scratch.mkdir()
+        target.write_text("x")
+        target.chmod(0o666)
+        if IS_ROOT:
+            os.chown(scratch, 65534, 65534)
+        done = subprocess.run(
+            [sys.executable, "-c", READONLY_PROBE, str(scratch), str(target), mode],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    finally:
+        subprocess.run(["rm", "-rf", str(base)], check=False)
+    facts = json.loads(done.stdout)
+    report, outcome = facts["report"], facts["outcome"]
+    assert report["landlock"][0], report
+    assert outcome["scratch"] == "done"
+    if report["readonly_fs"][0]:
+        assert mode == "unprivileged"
+        assert "user namespace" in report["readonly_fs"][1]
+        assert outcome == {
+            "utime": "Read-only file system",
+            "setxattr": "Read-only file system",
+            "scratch": "done",
+        }
+        assert METADATA_WARNING not in report["landlock"][1]
+    else:
+        assert METADATA_WARNING in report["readonly_fs"][1]
+        assert METADATA_WARNING in report["landlock"][1]
+        assert outcome["utime"] == "done"  # the hole, where the layer is missing
+
+
+def test_the_read_only_layer_is_reported_and_its_absence_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from toolpool.sandbox._mounts import METADATA_WARNING
+
+    pool = toolpool.Pool(HOSTILE, workers=1, profile="untrusted")  # never started
+    missing = (
+        f"no mount namespace: unshare(CLONE_NEWNS): Operation not permitted: {METADATA_WARNING}"
+    )
+    pool._worker_layers = {"readonly_fs": [False, missing], "landlock": [True, "ABI 7"]}
+    layer = {layer.name: layer for layer in pool.containment().layers}["readonly_fs"]
+    assert (layer.active, layer.detail) == (False, missing)
+    with caplog.at_level("WARNING", logger="toolpool"):
+        pool._warn_inactive_layers()
+    assert "asks for readonly_fs, which is not active" in caplog.text
+    assert METADATA_WARNING in pool.containment().format()
+    default = toolpool.Pool(HOSTILE, workers=1)
+    readonly = {layer.name: layer for layer in default.containment().layers}["readonly_fs"]
+    assert readonly.detail == "not requested by the profile"

@@ -32,6 +32,7 @@ if _typing.TYPE_CHECKING:
         fuse,
         validate_cause,
     )
+    from .reaper import CloseReport
     from .sandbox import Profile
     from .supervisor import (
         Call,
@@ -64,6 +65,7 @@ _EXPORTS: dict[str, str] = {
     "CancelSignal": "core",
     "CauseKind": "core",
     "ConfigurationError": "core",
+    "CloseReport": "reaper",
     "ContainmentReport": "supervisor",
     "DispatchExecution": "worker",
     "Fusion": "core",
@@ -103,6 +105,7 @@ __all__ = (
     "CancelController",
     "CancelSignal",
     "CauseKind",
+    "CloseReport",
     "ConfigurationError",
     "ContainmentReport",
     "DispatchExecution",

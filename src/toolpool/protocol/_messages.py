@@ -273,12 +273,59 @@ def encode(message: WorkerMessage | SupervisorMessage) -> bytes:
     return msgpack.packb([message.TYPE, *message.fields()], use_bin_type=True)
 
 
-def pack_value(value: Any) -> bytes:
-    """Pack a value (arguments, a result value) as msgpack; raises TypeError if it cannot."""
+def pack_value(value: Any, name: str = "the value") -> bytes:
+    """Pack a value (arguments, a result value) as msgpack; raises TypeError if it cannot, or
+    if the other side would refuse it (a map key that is not a string, an ext type), saying
+    where in ``value`` (called ``name`` in the message)."""
     try:
-        return msgpack.packb(value, use_bin_type=True)
+        packed: bytes = msgpack.packb(value, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(f"not serializable with msgpack: {exc}") from None
+    if _refusable(value):  # what the other side's strict decoder (_unpack) would refuse
+        raise TypeError(_refused(value, name))
+    return packed
+
+
+_LEAVES: Final = frozenset({str, bytes, int, float, bool, type(None)})
+
+
+def _refusable(value: Any) -> bool:
+    """Whether ``value`` (which msgpack packed) holds a map key that is not a string or an
+    ext type (a ``Timestamp`` included). Visits containers only, without recursion."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                if not isinstance(key, (str, bytes)):
+                    return True
+                if type(inner) not in _LEAVES:
+                    stack.append(inner)
+        elif isinstance(item, (msgpack.ExtType, msgpack.Timestamp)):  # (ExtType is a tuple)
+            return True
+        elif isinstance(item, (list, tuple)):
+            stack.extend(inner for inner in item if type(inner) not in _LEAVES)
+    return False
+
+
+def _refused(value: Any, name: str) -> str:
+    """Why the decoder refuses ``value``: the first map key that is not a string, and where."""
+    stack: list[tuple[str, Any]] = [(name, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, dict):
+            for key in item:
+                if not isinstance(key, (str, bytes)):
+                    return (
+                        f"not serializable for the wire: {where} has a key that is not a "
+                        f"string: {key!r} ({type(key).__name__}); map keys must be str"
+                    )
+            stack.extend((f"{where}[{k!r}]", v) for k, v in reversed(item.items()))
+        elif isinstance(item, (msgpack.ExtType, msgpack.Timestamp)):
+            return f"not serializable for the wire: {where} is a msgpack ext type"
+        elif isinstance(item, (list, tuple)):
+            stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(item))))
+    return "not serializable for the wire"
 
 
 def _unpack(frame: bytes, max_len: int) -> Any:

@@ -7,6 +7,6 @@ the worker's template modules it may fork from): it never imports the supervisor
 supervisor's side of it is :class:`ReaperClient`. The messages are in ``docs/protocol.md``.
 """
 
-from ._client import REAPER_ENV, SCRIPT, ReaperClient, reaper_env
+from ._client import REAPER_ENV, SCRIPT, CloseReport, ReaperClient, finish_cleanup, reaper_env
 
-__all__ = ("REAPER_ENV", "SCRIPT", "ReaperClient", "reaper_env")
+__all__ = ("REAPER_ENV", "SCRIPT", "CloseReport", "ReaperClient", "finish_cleanup", "reaper_env")

@@ -7,19 +7,32 @@ reports back events. One reaper serves one pool.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import anyio
 
 from ..core import WorkerStartError
+from ..sandbox import _remove
 
-__all__ = ("REAPER_ENV", "SCRIPT", "ReaperClient", "reaper_env")
+__all__ = ("REAPER_ENV", "SCRIPT", "CloseReport", "ReaperClient", "finish_cleanup", "reaper_env")
+
+_log = logging.getLogger("toolpool")
+
+#: Seconds of removal the reaper may spend at the pool's close before it says goodbye (and
+#: goes on removing the rest after it).
+EXIT_CLEANUP_BUDGET: Final = 2.0
+#: Seconds the supervisor spends removing the pool's directory itself (when the reaper could
+#: not) before it leaves the rest to a background process.
+SUPERVISOR_CLEANUP_BUDGET: Final = 2.0
 
 #: The reaper process's script, run by path (``python -P SCRIPT SUPERVISOR_PID FD``).
 SCRIPT: Final = Path(__file__).with_name("_main.py")
@@ -38,6 +51,30 @@ def reaper_env() -> dict[str, str]:
     return {name: os.environ[name] for name in REAPER_ENV if name in os.environ}
 
 
+@dataclass(frozen=True, slots=True)
+class CloseReport:
+    """What :meth:`toolpool.Pool.aclose` left behind on disk, if anything.
+
+    ``finished``: everything the pool wrote (its directory, every worker's scratch directory)
+    is removed. Otherwise ``pending`` names what is still being removed in the background, by
+    process ``cleaner_pid`` (the pool's reaper staying on after the pool closed, or a helper),
+    and ``failed`` what could not be removed, and why. Every process of the pool is gone
+    either way: only files are left.
+    """
+
+    finished: bool = True
+    pending: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+    cleaner_pid: int | None = None
+
+    def format(self) -> str:
+        if self.finished:
+            return "every directory of the pool is removed"
+        lines = [f"still being removed by process {self.cleaner_pid}: {p}" for p in self.pending]
+        lines += [f"not removed: {f}" for f in self.failed]
+        return "\n".join(lines)
+
+
 class ReaperClient:
     """Starts the reaper, sends it commands and delivers its events to ``on_event``."""
 
@@ -49,6 +86,12 @@ class ReaperClient:
         self.subreaper = False
         self._bye = False
         self._pump_done: anyio.Event | None = None
+        self.said_bye = False
+        self.unfinished: list[str] = []  # what the reaper goes on removing after its bye
+        self.failed: list[str] = []  # what it could not remove, and why
+        self.lingering_pid: int | None = None  # the reaper, still removing after the close
+        self.removing: set[str] = set()  # scratch directories it removes in the background
+        self._removed: anyio.Event | None = None
 
     async def start(self, timeout: float) -> None:
         """Start the reaper process and wait for it to say it is ready."""
@@ -116,11 +159,40 @@ class ReaperClient:
                         return
                     if not event:
                         break
-                    if event.get("ev") == "bye":
-                        self._bye = True
+                    kind = event.get("ev")
+                    if kind == "bye":
+                        self._bye = self.said_bye = True
+                        self.unfinished = [str(p) for p in event.get("unfinished") or []]
+                        self.failed = [str(f) for f in event.get("failed") or []]
+                    elif kind in ("cleanup_pending", "cleanup_done"):
+                        _log_cleanup(event)  # the client's own: the pool needs none of it
+                        self._track(event)
+                        continue
                     self._on_event(event)
         finally:
             self._pump_done.set()
+            self._wake_removed()
+
+    def _track(self, event: Event) -> None:
+        path = str(event.get("path"))
+        if event["ev"] == "cleanup_pending":
+            self.removing.add(path)
+        elif path in self.removing:
+            self.removing.discard(path)
+            self._wake_removed()
+
+    def _wake_removed(self) -> None:
+        if self._removed is not None:
+            self._removed.set()
+            self._removed = None
+
+    async def wait_removed(self, path: str) -> None:
+        """Until the reaper is no longer removing ``path`` in the background (it was done
+        with it before it reported the worker gone, or has reported ``cleanup_done``)."""
+        while path in self.removing and not self._bye:
+            if self._removed is None:
+                self._removed = anyio.Event()
+            await self._removed.wait()
 
     def send(self, **command: Any) -> None:
         """Send a command; a reaper that is gone is reported through the event stream."""
@@ -190,8 +262,10 @@ class ReaperClient:
         self.send(op="kill", wid=wid)
 
     async def aclose(self) -> None:
-        """Ask the reaper to kill whatever is left and exit; wait until it has."""
-        self.send(op="exit")
+        """Ask the reaper to kill whatever is left and exit; wait until it has, or until it
+        said goodbye with directories left to remove (it stays on to remove them: see
+        :attr:`unfinished`, :attr:`lingering_pid`)."""
+        self.send(op="exit", cleanup_budget=EXIT_CLEANUP_BUDGET)
         proc, self._proc = self._proc, None
         try:
             # Shielded, and bounded: a cancelled caller must not leave the process or its
@@ -199,17 +273,87 @@ class ReaperClient:
             with anyio.CancelScope(shield=True):
                 if proc is not None:
                     with anyio.move_on_after(10):
-                        await anyio.to_thread.run_sync(proc.wait, abandon_on_cancel=True)
-                    if proc.poll() is None:  # it would not go: do not leave it behind
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(_wait_exit, proc)
+                            if self._pump_done is not None:
+                                await self._pump_done.wait()  # its bye, or its end
+                                if self.unfinished:  # it stays on to remove them: no wait
+                                    tg.cancel_scope.cancel()
+                    if self.unfinished and proc.poll() is None:
+                        self.lingering_pid = proc.pid
+                        _log.warning(
+                            "the pool is closed, but its reaper (pid %s) is still removing %s",
+                            proc.pid,
+                            ", ".join(self.unfinished),
+                        )
+                        # Reaped when it is done; it outlives this process if need be.
+                        threading.Thread(
+                            target=proc.wait, name="toolpool-reaper-cleanup", daemon=True
+                        ).start()
+                    elif self.unfinished:  # it finished them, and exited, meanwhile
+                        self.unfinished = []
+                    elif proc.poll() is None:  # it would not go: do not leave it behind
                         proc.kill()
                         await anyio.to_thread.run_sync(proc.wait)
                 if self._pump_done is not None:
-                    # The reaper has exited: let the pump read its last events and the end of
-                    # file before the socket goes away under it.
                     with anyio.move_on_after(5):
                         await self._pump_done.wait()
         finally:
-            sock, self._sock = self._sock, None
-            if sock is not None:
-                anyio.notify_closing(sock)
-                sock.close()
+            self._close_socket()
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            anyio.notify_closing(self._sock)
+            self._sock.close()
+            self._sock = None
+
+
+async def _wait_exit(proc: subprocess.Popen[bytes]) -> None:
+    await anyio.to_thread.run_sync(proc.wait, abandon_on_cancel=True)
+
+
+def _log_cleanup(event: dict[str, Any]) -> None:
+    where = f"worker {event['wid']}'s" if event.get("wid") is not None else "the pool's"
+    if event.get("ev") == "cleanup_pending":
+        _log.info(
+            "%s directory %s: %s entries removed, removing the rest in the background",
+            where,
+            event.get("path"),
+            event.get("removed"),
+        )
+    elif event.get("finished"):
+        _log.info(
+            "%s directory %s is removed (%s entries)",
+            where,
+            event.get("path"),
+            event.get("removed"),
+        )
+    else:
+        _log.error("%s directory could not be removed: %s", where, event.get("error"))
+
+
+async def finish_cleanup(path: str | None, reaper: ReaperClient | None) -> CloseReport:
+    """After the reaper closed: what is left of the pool's directory ``path``, removing it
+    here if the reaper did not (it died, say). Never blocks for long: what is not removed in
+    SUPERVISOR_CLEANUP_BUDGET seconds is left to a background process."""
+    failed = tuple(reaper.failed) if reaper is not None else ()
+    if reaper is not None and reaper.unfinished:
+        pending = tuple(reaper.unfinished)
+        return CloseReport(False, pending, failed, reaper.lingering_pid)
+    if path is None or not os.path.lexists(path):  # noqa: ASYNC240 (one lstat)
+        return CloseReport(not failed, (), failed)
+    removal = await anyio.to_thread.run_sync(_remove.remove_tree, path, SUPERVISOR_CLEANUP_BUDGET)
+    if removal.finished:
+        return CloseReport(not failed, (), failed)
+    if removal.done:
+        _log.error("the pool's directory could not be removed: %s", removal.summary())
+        return CloseReport(False, (), (*failed, removal.summary()))
+    removal.close()
+    helper = subprocess.Popen(  # noqa: ASYNC220 (a plain fork+exec)
+        [sys.executable, "-P", _remove.__file__, path],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    threading.Thread(target=helper.wait, name="toolpool-cleanup", daemon=True).start()
+    _log.warning("the pool's directory %s is still being removed, by process %s", path, helper.pid)
+    return CloseReport(False, (path,), failed, helper.pid)

@@ -14,24 +14,32 @@ to it instead of to PID 1. It
 * kills and reaps every orphan at once (an orphan is any child that is not a live worker:
   it can only come from a worker that died);
 * when the supervisor goes away (its end of the socket closes, or it is no longer the parent),
-  kills every tree and exits, so nothing of the pool outlives it.
+  kills every tree and exits, so nothing of the pool outlives it;
+* removes what a worker left on disk (its scratch directory) once its tree is gone, and the
+  pool's directories when it exits: with ``sandbox/_remove.py``, iteratively and in slices
+  of bounded time between which it goes on serving, so a hostile tree (any depth, millions
+  of entries, links, mounts) can neither crash nor stall it. What is not removed in the
+  first slice is reported (``cleanup_pending``) and removed in the background; at exit, what
+  is left after :data:`EXIT_CLEANUP_BUDGET` is named in ``bye`` and the reaper stays on until
+  it is removed.
 
 Messages are JSON objects, one per SOCK_SEQPACKET datagram. See docs/pool.md and docs/protocol.md.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import importlib
 import importlib.util
 import json
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -52,11 +60,19 @@ def _load(name: str) -> Any:
 
 cgroups = _load("_cgroups")
 linux = _load("_linux")
+remove = _load("_remove")
 
 #: The worker's exit status when its set-up failed (``toolpool.worker._main.EXIT_SETUP_FAILED``).
 EXIT_SETUP_FAILED = 70
 #: Signals the reaper handles itself: blocked around fork, reset in the child.
 _HANDLED = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
+#: Seconds of removal a gone worker's scratch directory gets before ``gone`` is reported; what
+#: is left then is removed in the background (``cleanup_pending``).
+FIRST_SLICE = 0.05
+#: Seconds of removal between two looks at the socket and the workers.
+SLICE = 0.02
+#: Seconds of removal at exit before ``bye``; what is left is removed after it.
+EXIT_CLEANUP_BUDGET = 2.0
 
 
 class Template:
@@ -116,6 +132,9 @@ class Reaper:
         self.pending_gone: list[int] = []  # wids reaped whose orphans may still live
         self.stuck: set[int] = set()  # wids whose cgroup would not empty yet
         self.owned: list[str] = []  # the pool's directories, removed when the reaper exits
+        self.removals: collections.deque[tuple[int | None, Any]] = collections.deque()
+        self.failed: list[str] = []  # removals that ended with something left, and why
+        self.exit_budget = EXIT_CLEANUP_BUDGET
         self.closing = False
         self.template = Template()
 
@@ -144,6 +163,7 @@ class Reaper:
             self.owned.extend(str(p) for p in msg.get("paths", []))
         elif op == "exit":
             self.closing = True
+            self.exit_budget = float(msg.get("cleanup_budget", EXIT_CLEANUP_BUDGET))
 
     # ---- spawning
 
@@ -361,10 +381,43 @@ class Reaper:
         self.groups.pop(wid, None)
         for path in self.cleanup.pop(wid, []):
             if os.path.basename(path).startswith("scratch"):
-                shutil.rmtree(path, ignore_errors=True)
+                self.start_removal(wid, path)
             else:
                 cgroups.remove(path)
         return True
+
+    # ---- removing what workers leave on disk
+
+    def start_removal(self, wid: int | None, path: str) -> None:
+        """Remove ``path``: a first slice now, the rest in the background (main loop)."""
+        removal = remove.Removal(path)
+        if not self.removals and removal.step(time.monotonic() + FIRST_SLICE):
+            self._removal_done(wid, removal, pending=False)
+            return
+        self.removals.append((wid, removal))
+        self.send(ev="cleanup_pending", wid=wid, path=path, removed=removal.removed)
+
+    def work_removals(self, budget: float) -> None:
+        """Go on with the oldest unfinished removal for at most ``budget`` seconds."""
+        deadline = time.monotonic() + budget
+        while self.removals and time.monotonic() < deadline:
+            wid, removal = self.removals[0]
+            if removal.step(deadline):
+                self.removals.popleft()
+                self._removal_done(wid, removal, pending=True)
+
+    def _removal_done(self, wid: int | None, removal: Any, *, pending: bool) -> None:
+        if not removal.finished and len(self.failed) < 20:
+            self.failed.append(removal.summary())
+        if pending or not removal.finished:
+            self.send(
+                ev="cleanup_done",
+                wid=wid,
+                path=removal.path,
+                removed=removal.removed,
+                finished=removal.finished,
+                error=None if removal.finished else removal.summary(),
+            )
 
     def _reap_orphans_blocking(self, orphans: list[psutil.Process]) -> None:
         for orphan in orphans:
@@ -390,7 +443,7 @@ class Reaper:
         poller.register(self.sock, select.POLLIN)
         poller.register(rfd, select.POLLIN)
         while not self.closing:
-            events = poller.poll(1000)
+            events = poller.poll(0 if self.removals else 1000)
             if os.getppid() != self.supervisor_pid:
                 break  # the supervisor died (and we were re-parented)
             if self.stuck:
@@ -406,6 +459,8 @@ class Reaper:
                     self.closing = True
                 else:
                     self._read_commands()
+            if self.removals and not self.closing:
+                self.work_removals(SLICE)
         self.shutdown()
 
     def _read_commands(self) -> None:
@@ -441,12 +496,33 @@ class Reaper:
             deadline_rounds += 1
         self.kill_orphans()
         # If the supervisor died, nobody else will remove the pool's directories.
+        trees = []
         for path in reversed(self.owned):
             if os.path.exists(os.path.join(path, "cgroup.procs")):
                 cgroups.remove(path)
             else:
-                shutil.rmtree(path, ignore_errors=True)
-        self.send(ev="bye")
+                trees.append(path)
+        self.finish_removals(trees)
+
+    def finish_removals(self, trees: list[str]) -> None:
+        """At exit: remove ``trees`` and what is still being removed, for at most
+        ``exit_budget`` seconds; say ``bye`` with what is left, then finish that."""
+        inside = tuple(t.rstrip("/") + "/" for t in trees)
+        for wid, removal in list(self.removals):
+            if removal.path.startswith(inside):  # the pool's directory covers it
+                self.removals.remove((wid, removal))
+                removal.close()
+        for path in trees:
+            self.removals.append((None, remove.Removal(path)))
+        self.work_removals(self.exit_budget)
+        left = [removal.path for _, removal in self.removals]
+        news = {"unfinished": left} if left else {}  # (a plain bye: nothing is left)
+        if self.failed:
+            news["failed"] = self.failed
+        self.send(ev="bye", **news)
+        while self.removals:  # nobody waits for us now: no slices, no budget
+            _wid, removal = self.removals.popleft()
+            removal.step(None)
 
     subreaper = False
 

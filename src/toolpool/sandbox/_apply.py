@@ -2,7 +2,8 @@
 single-threaded, before zmq starts its threads and before the tools module is imported.
 
 Order (it must not undo itself): join cgroups, resource limits, network namespace, the uid
-change (its mount namespace must come before Landlock, which forbids mounting), Landlock; the
+change (its mount namespace must come before Landlock, which forbids mounting), the
+read-only mounts (as root, just before the uid change drops the right to mount), Landlock; the
 caller then arms PDEATHSIG (a uid change clears it), checks the parent, and becomes a
 subreaper. Each step reports whether it
 is active and, if not, why; nothing fails because a layer is missing unless it is required.
@@ -123,12 +124,24 @@ def apply_profile(
 
     ipc_later = profile.private_ipc and not _unshare_ipc(report)
 
+    def readonly() -> None:
+        from ._mounts import METADATA_WARNING, readonly_view
+
+        writable = [os.getcwd()] if profile.scratch_dir else []
+        # The user namespace a network namespace then needs is set up through /proc.
+        keep = ("/proc",) if netns_later else ()
+        try:
+            report["readonly_fs"] = [True, readonly_view(writable, keep)]
+        except OSError as exc:
+            report["readonly_fs"] = [False, f"{exc}: {METADATA_WARNING}"]
+
     if profile.user is not None:
         from ._identity import LayerUnavailable, drop_privileges
 
         owned = [*(own or ()), *([os.getcwd()] if profile.scratch_dir else [])]
         try:
-            detail = drop_privileges(profile.user, owned, tools_module)
+            before_drop = readonly if profile.readonly_fs else None
+            detail = drop_privileges(profile.user, owned, tools_module, before_drop)
         except LayerUnavailable as exc:
             report["uid"] = [False, str(exc)]
         else:
@@ -146,6 +159,9 @@ def apply_profile(
     if ipc_later:  # inside the user namespace the network fallback made, if it did
         _unshare_ipc(report)
 
+    if profile.readonly_fs and "readonly_fs" not in report:  # (no uid change: here)
+        readonly()
+
     if profile.landlock:
         from ._landlock import restrict
 
@@ -154,6 +170,11 @@ def apply_profile(
             report["landlock"] = [True, restrict(writable)]
         except OSError as exc:
             report["landlock"] = [False, str(exc)]
+        if report["landlock"][0] and not report.get("readonly_fs", [False])[0]:
+            from ._mounts import METADATA_WARNING
+
+            # Landlock's rights cover content and names, not metadata: say what is open.
+            report["landlock"][1] += f"; {METADATA_WARNING} (no read-only mounts)"
 
     missing = [layer for layer in profile.require if layer in report and not report[layer][0]]
     if missing:

@@ -31,7 +31,7 @@ import os
 import pwd
 import stat
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._linux import PR_SET_NO_NEW_PRIVS, prctl
@@ -262,9 +262,14 @@ def _fatal(what: str, exc: BaseException | None = None) -> RuntimeError:
 
 
 def drop_privileges(
-    user: str | int, own: Iterable[str] = (), tools_module: str | None = None
+    user: str | int,
+    own: Iterable[str] = (),
+    tools_module: str | None = None,
+    before_drop: Callable[[], None] | None = None,
 ) -> str:
     """Become ``user`` for good (see the module docstring). Returns what was done.
+    ``before_drop`` runs as root once the worker's view and its files are ready, just before
+    the capabilities go (the read-only mounts: a mount needs them).
 
     Raises :class:`LayerUnavailable` if this process cannot do it (nothing changed), and
     :class:`RuntimeError` if it failed once begun (the worker must not go on).
@@ -291,6 +296,8 @@ def drop_privileges(
         for path in own:  # the worker's own: nobody else may use them
             os.chown(path, uid, gid)
             os.chmod(path, 0o700 if os.path.isdir(path) else 0o600)
+        if before_drop is not None:
+            before_drop()
         with open("/proc/sys/kernel/cap_last_cap") as f:
             last = int(f.read())
         for cap in range(last + 1):

@@ -29,6 +29,7 @@ LAYERS: Final = (
     "rlimits",
     "netns",
     "ipcns",
+    "readonly_fs",
     "landlock",
     "uid",
     "scratch_dir",
@@ -144,6 +145,11 @@ class Profile:
     queues a tool creates are invisible to every other process and die with the worker."""
     scratch_dir: bool = True
     """Run each worker in a private scratch directory, removed after it exits."""
+    readonly_fs: bool = False
+    """Every mount read-only but the scratch directory, in the worker's own mount namespace:
+    the kernel refuses every change outside it, metadata (times, modes, owners, extended
+    attributes) included, which Landlock's rights do not cover. Needs root or user
+    namespaces; elsewhere the layer is reported inactive."""
     landlock: bool = False
     """Landlock: the filesystem is read-only except the scratch directory, and (kernel ABI 6+)
     no signal can reach a process outside the worker's sandbox (the supervisor, siblings)."""
@@ -204,6 +210,7 @@ class Profile:
             max_file_size=64 * 1024**2,
             network=False,
             private_ipc=True,
+            readonly_fs=True,
             landlock=True,
             env_allowlist=DEFAULT_ENV_ALLOWLIST,
             user=PER_WORKER,
@@ -256,7 +263,7 @@ class Profile:
             "network": "on" if self.network else "off",
             "ipc": "private" if self.private_ipc else "shared",
             "scratch_dir": "on" if self.scratch_dir else "off",
-            "filesystem": "read-only but scratch" if self.landlock else "unrestricted",
+            "filesystem": _describe_filesystem(self),
             "environment": "inherited" if self.env_allowlist is None else "allowlist",
             "user": _describe_user(self.user),
         }
@@ -271,6 +278,16 @@ def _check_user(user: object) -> None:
         raise ValueError(f"a uid is between 0 and 2**32-2, got {user}")
     if resolve_user(user)[0] == 0:
         raise ValueError(f"user {user!r} is root: running workers as root drops nothing")
+
+
+def _describe_filesystem(profile: Profile) -> str:
+    if profile.readonly_fs and profile.landlock:
+        return "read-only but scratch (read-only mounts + Landlock)"
+    if profile.readonly_fs:
+        return "read-only but scratch (read-only mounts)"
+    if profile.landlock:
+        return "read-only but scratch (Landlock; metadata writable)"
+    return "unrestricted"
 
 
 def _describe_user(user: str | int | None) -> str:

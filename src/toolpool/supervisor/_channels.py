@@ -295,7 +295,7 @@ class Channels:
         if io is not None:
             if verified:
                 for path in reversed(io.cleanup):
-                    remove_dir(path)
+                    await anyio.to_thread.run_sync(remove_dir, path)
             self._read(io)  # what it sent before it died counts
         self._core.gone(wid, time.monotonic(), verified=verified)
         self._pump()

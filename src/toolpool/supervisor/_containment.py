@@ -99,6 +99,7 @@ def containment_report(
     requested = (
         ("ipcns", profile.private_ipc),
         ("landlock", profile.landlock),
+        ("readonly_fs", profile.readonly_fs),
         ("uid", profile.user),
     )
     for layer, wanted in requested:
@@ -124,6 +125,7 @@ def warn_inactive_layers(profile: Profile, report: ContainmentReport) -> None:
         "netns": not profile.network,
         "ipcns": profile.private_ipc,
         "landlock": profile.landlock,
+        "readonly_fs": profile.readonly_fs,
         "uid": profile.user is not None,
     }
     for layer in report.layers:

@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import secrets
-import shutil
 import signal
 import tempfile
 import time
@@ -40,7 +39,7 @@ from ..protocol import (
     DEFAULT_MAX_FRAME,
     pack_value,
 )
-from ..reaper import ReaperClient
+from ..reaper import CloseReport, ReaperClient, finish_cleanup
 from ..sandbox import Profile, parse_size
 from ..sandbox._cgroups import CgroupSet
 from ._calls import Call, Group, await_call
@@ -236,6 +235,7 @@ class Pool(Channels):
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._dir: str | None = None
         self._reaper: ReaperClient | None = None
+        self._close_report = CloseReport()
         self._io = self._files.ios  # by worker id
         self._closing: set[WorkerIO] = set()  # gone, their sockets not closed yet
         self._groups: weakref.WeakSet[Group] = weakref.WeakSet()
@@ -312,11 +312,12 @@ class Pool(Channels):
         core.started()
         self._state = "running"
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> CloseReport:
         """Cancel every call with cause ``disposed`` and stop every worker (CONTRACT C5.3).
 
         Returns only when every call has settled and every worker process, and everything
-        it spawned, is gone. Idempotent.
+        it spawned, is gone. Idempotent. Returns what is left on disk: a
+        :class:`toolpool.CloseReport` (a huge scratch tree is removed in the background).
 
         Call it from the task and the cancel-scope nesting that called :meth:`start` (not,
         say, inside a ``fail_after`` entered after ``start()``): the pool's anyio task group
@@ -325,11 +326,11 @@ class Pool(Channels):
         """
         if self._state in ("closed", "new"):
             self._state = "closed"
-            return
+            return self._close_report
         if self._state == "closing":
             assert self._closed_event is not None
             await self._closed_event.wait()
-            return
+            return self._close_report
         self._state = "closing"
         core = self._core
         with anyio.CancelScope(shield=True):
@@ -341,6 +342,7 @@ class Pool(Channels):
             await self.wait_idle()
             await self._teardown()
         await self._exit_task_group()
+        return self._close_report
 
     def _start_task(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         """Run one of the pool's own tasks (a socket's reader, the clock, the reaper's pump):
@@ -396,7 +398,7 @@ class Pool(Channels):
             self._cgroups.remove()
             self._cgroups = None
         if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self._close_report = await finish_cleanup(self._dir, self._reaper)
             self._dir = None
 
     async def _wait_all_gone(self) -> None:
@@ -535,7 +537,7 @@ class Pool(Channels):
             args = {}
         if not isinstance(args, Mapping):
             raise TypeError(f"args must be a mapping, not {type(args).__name__}")
-        packed = pack_value(dict(args))
+        packed = pack_value(dict(args), "args")
         if len(packed) > self.max_frame - 1024:
             raise ValueError(
                 f"args of {len(packed)} bytes exceed the {self.max_frame - 1024} bytes a call "

@@ -5,7 +5,6 @@ the reaper (after the reaper died)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
 import time
@@ -17,7 +16,7 @@ import zmq
 
 from .._transport import fd_of
 from ..protocol._ledger import LEDGER_SIZE, read_ledger, read_marks
-from ..sandbox import Profile
+from ..sandbox import Profile, _remove
 from ..sandbox import _cgroups as cgroups
 from ..sandbox._cgroups import CgroupSet, others_listed
 
@@ -36,6 +35,8 @@ __all__ = (
 
 #: How long to wait for a worker's tree to go after SIGKILL before giving up on it (seconds).
 KILL_WAIT: Final = 30.0
+#: How long to spend removing a dead reaper's worker's directory (seconds; the rest later).
+ORPHAN_CLEANUP_BUDGET: Final = 2.0
 
 
 class WorkerIO:
@@ -276,11 +277,13 @@ def empty_cgroups(kill_dir: str | None, groups: list[str]) -> bool:
 
 
 def remove_dir(path: str) -> None:
-    """Remove one of a worker's directories: a cgroup (rmdir), or a plain one."""
+    """Remove one of a worker's directories: a cgroup (rmdir), or a plain one, for at most
+    ORPHAN_CLEANUP_BUDGET seconds (blocking: run it in a thread). What is left of a huge
+    tree the pool's close removes, with the rest of the pool's directory."""
     if os.path.exists(os.path.join(path, "cgroup.procs")):
         cgroups.remove(path)
     else:
-        shutil.rmtree(path, ignore_errors=True)
+        _remove.remove_tree(path, ORPHAN_CLEANUP_BUDGET).close()
 
 
 async def wait_pid_gone(pid: int) -> None:

@@ -17,12 +17,15 @@ import errno
 import gc
 import os
 import resource
+import shutil
 import signal
 import socket
+import stat
 import sys
+import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -245,6 +248,145 @@ def sleep_past_timeout(seconds: float = 3600.0) -> str:
     return "woke"
 
 
+def _errname(exc: OSError) -> str:
+    return errno.errorcode.get(exc.errno or 0, str(exc))
+
+
+def _nest(top: int, depth: int) -> None:
+    """``depth`` directories nested in the directory ``top``, with no limit on path length."""
+    fd = os.dup(top)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        os.close(os.open("bottom", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+    finally:
+        os.close(fd)
+
+
+@registry.tool
+def litter_scratch(
+    depth: int = 3000, files: int = 2000, outside: str = "", leave: str = "return"
+) -> dict[str, Any]:
+    """Leave in the scratch directory (the working directory) what a clean-up must get
+    through: ``depth`` nested directories, ``files`` small files, names that are not UTF-8,
+    directories its own mode makes unreadable and unwritable, a FIFO, a unix socket, symbolic
+    links out (to ``/`` and to ``outside``) and, where the kernel lets it, a hard link to the
+    file ``outside``. Then ``leave="return"`` (its directory and what it made) or ``"exit"``
+    (``os._exit``: the worker dies with it, so its clean-up starts at once)."""
+    here = os.getcwd()
+    made: dict[str, Any] = {"cwd": here}
+    top = os.open(here, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _nest(top, depth)
+        os.mkdir("many", dir_fd=top)
+        many = os.open("many", os.O_RDONLY | os.O_DIRECTORY, dir_fd=top)
+        try:
+            for i in range(files):
+                os.close(os.open(f"{i}", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=many))
+        finally:
+            os.close(many)
+        raw = os.fsencode(here)
+        os.mkdir(raw + b"/\xff\xfe-not-utf8")
+        with open(raw + b"/\xff\xfe-not-utf8/\x80\x81", "wb") as f:
+            f.write(b"x")
+        os.makedirs("closed/inner/deeper")
+        with open("closed/inner/file", "w") as f:
+            f.write("x")
+        os.chmod("closed/inner/file", 0)
+        os.chmod("closed/inner", 0)
+        os.chmod("closed", 0o100)  # searchable but not readable or writable
+        os.mkfifo("fifo")
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(os.path.join(here, "sock"))
+        os.symlink("/", "to-root")
+        if outside:
+            os.symlink(os.path.dirname(outside), "to-outside")
+            try:
+                os.link(outside, "hard-link")
+                made["hard_link"] = "made"
+            except OSError as exc:
+                made["hard_link"] = _errname(exc)
+    finally:
+        os.close(top)
+    if leave == "exit":
+        os._exit(9)
+    return made
+
+
+def _try(op: Callable[[], object]) -> str:
+    try:
+        op()
+    except OSError as exc:
+        return f"blocked ({_errname(exc)})"
+    return "done"
+
+
+#: What :func:`touch_outside` tries, by kind: content, names, and metadata.
+CONTENT_OPS = ("write", "truncate", "create")
+NAME_OPS = ("rename", "link", "symlink", "mknod", "mkdir", "unlink")
+METADATA_OPS = tuple(
+    f"{op} {what}"
+    for op in ("utime", "chmod", "chown", "setxattr", "removexattr")
+    for what in ("file", "dir")
+)
+
+
+def _metadata_ops(what: str, path: str) -> dict[str, Callable[[], object]]:
+    mode = 0o777 if what == "dir" else 0o666
+    return {
+        f"utime {what}": lambda: os.utime(path, None),  # "now": write access is enough
+        f"chmod {what}": lambda: os.chmod(path, mode),
+        f"chown {what}": lambda: os.chown(path, os.getuid(), os.getgid()),
+        f"setxattr {what}": lambda: os.setxattr(path, "user.x", b"tool"),
+        f"removexattr {what}": lambda: os.removexattr(path, "user.toolpool"),
+    }
+
+
+@registry.tool
+def touch_outside(directory: str) -> dict[str, str]:
+    """Try to change, outside the scratch directory, the world-writable ``directory`` and
+    its world-writable ``file`` (which carries the attribute ``user.toolpool``): write,
+    truncate and create files; rename, link, symlink, mknod, mkdir, unlink; and their
+    metadata: utime, chmod, chown, setxattr, removexattr, on the file and the directory.
+    Returns what happened to each ('done' or 'blocked (ERRNO)')."""
+    file = os.path.join(directory, "file")
+
+    def write() -> None:
+        fd = os.open(file, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, b"tool was here\n")
+        finally:
+            os.close(fd)
+
+    def create() -> None:
+        os.close(os.open(os.path.join(directory, "new"), os.O_WRONLY | os.O_CREAT, 0o666))
+
+    ops: dict[str, Callable[[], object]] = {
+        "write": write,
+        "truncate": lambda: os.truncate(file, 0),
+        "create": create,
+        "rename": lambda: os.rename(file, os.path.join(directory, "renamed")),
+        "link": lambda: os.link(file, os.path.join(directory, "linked")),
+        "symlink": lambda: os.symlink("/", os.path.join(directory, "symlinked")),
+        "mknod": lambda: os.mknod(os.path.join(directory, "fifo"), 0o666 | stat.S_IFIFO),
+        "mkdir": lambda: os.mkdir(os.path.join(directory, "made")),
+        "unlink": lambda: os.unlink(file),
+    }
+    for what, path in (("file", file), ("dir", directory)):
+        ops.update(_metadata_ops(what, path))
+    order = (*METADATA_OPS, *CONTENT_OPS, *NAME_OPS)  # unlink last: the others need the file
+    return {name: _try(ops[name]) for name in order}
+
+
+@registry.tool
+def echo(value: Any = None) -> Any:
+    """Return the value."""
+    return value
+
+
 @registry.tool
 def cooperative(seconds: float, execution: ToolExecution) -> str:
     """A well-behaved tool: the kit checks the pool still serves one after each threat."""
@@ -279,8 +421,20 @@ class Threat:
     name: str
     tool: str
     args: dict[str, Any]
-    action: str  # "call", "cancel" (after it started), or "timeout:<seconds>"
+    action: str  # "call", "cancel" (after it started), "timeout:<seconds>", or "run"
     check: Check
+    runner: Runner | None = None  # action "run": does more than one call; its Observed is judged
+
+
+@dataclass
+class Observed:
+    """What a threat's runner saw (a threat that is more than one call)."""
+
+    text: str
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+Runner = Callable[[Any, Threat, str], Awaitable[Observed]]
 
 
 def _outcome(*allowed: Outcome, by: str) -> Check:
@@ -344,6 +498,246 @@ def _daemon(result: Any, layers: set[str]) -> tuple[bool, str, str]:
     return ok, "ok, leftovers killed", "subreaper + leftover clean-up"
 
 
+async def _wait_pid_exit(pid: int, timeout: float) -> bool:
+    """Wait until process ``pid`` (not necessarily a child) has exited; False on timeout."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        with anyio.move_on_after(timeout):
+            await anyio.wait_readable(fd)  # a pidfd turns readable when the process exits
+            return True
+        return False
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int | None) -> bool:
+    try:
+        return pid is not None and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _outside_file() -> tuple[str, str]:
+    """A directory outside every pool and a world-writable file in it (a hard link's target)."""
+    base = tempfile.mkdtemp(prefix="toolpool-kit-")
+    os.chmod(base, 0o755)
+    path = os.path.join(base, "keep")
+    with open(path, "w") as f:
+        f.write("keep")
+    os.chmod(path, 0o666)
+    return base, path
+
+
+def _intact(path: str) -> bool:
+    """The outside file is as it was, with no other name (a hard link left) and its
+    directory still there."""
+    with open(path) as f:
+        kept = f.read() == "keep"
+    return kept and os.stat(path).st_nlink == 1 and os.path.isdir(os.path.dirname(path))
+
+
+def _cwd(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
+
+
+def _gone(path: str | None) -> bool:
+    return bool(path) and not os.path.lexists(str(path))
+
+
+async def _litter_then_exit(pool: Any, threat: Threat, marker: str) -> Observed:
+    """A tool litters its scratch directory and ends its worker while a bystander call runs
+    in another worker: the reaper must survive, remove it all, and the bystander be served."""
+    reaper = pool.reaper_pid
+    base, outside = _outside_file()
+    try:
+        bystander = pool.submit("cooperative", {"seconds": 120.0})
+        await bystander.wait_started()
+        busy = bystander._worker.pid if bystander._worker is not None else None
+        cwds = {pid: _cwd(pid) for pid in pool.worker_pids() if pid != busy}
+        result = await pool.call(threat.tool, {**threat.args, "outside": outside, "leave": "exit"})
+        scratch = cwds.get(result.worker_pid)
+        if scratch is not None:
+            with anyio.move_on_after(120):
+                await pool._reaper.wait_removed(scratch)
+        removed = _gone(scratch)
+        bystander.cancel()
+        by = await bystander
+        facts = {
+            "exit": result.outcome is Outcome.WORKER_LOST,
+            "bystander": by.outcome in (Outcome.ABORTED, Outcome.OK),
+            "reaper": pool.reaper_pid == reaper and _alive(reaper),
+            "removed": removed,
+            "outside": _intact(outside),
+        }
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    bad = [name for name, ok in facts.items() if not ok]
+    text = f"{result.outcome.value}; bystander {by.outcome.value}; scratch "
+    text += "removed" if removed else "left"
+    return Observed(text + (f"; FAILED: {', '.join(bad)}" if bad else ""), facts)
+
+
+async def _litter_then_close(pool: Any, threat: Threat, marker: str) -> Observed:
+    """A tool litters its scratch directory, then a pool of its own (same tools and profile)
+    is closed: the close must end cleanly and in bounded time, and the tree be removed (in
+    the background if it takes long)."""
+    from ..supervisor import Pool
+
+    base, outside = _outside_file()
+    try:
+        sub = Pool(pool.tools_spec, workers=1, profile=pool.profile, start_method=pool.start_method)
+        await sub.start()
+        error = None
+        report: Any = None
+        try:
+            made = await sub.call(threat.tool, {**threat.args, "outside": outside})
+        finally:
+            began = time.monotonic()
+            try:
+                report = await sub.aclose()
+            except Exception as exc:  # the very failure this threat looks for
+                error, report = f"{type(exc).__name__}: {exc}", None
+            took = time.monotonic() - began
+        pool_dir = str((made.value or {}).get("cwd", "")).rpartition("/")[0]
+        done = report is not None and (
+            report.finished
+            or (report.cleaner_pid is not None and await _wait_pid_exit(report.cleaner_pid, 120))
+        )
+        facts = {
+            "tool": made.ok,
+            "closed": error is None,
+            "reaper": sub._reaper is not None and sub._reaper.said_bye,  # it did not crash
+            "bounded": took < 30,
+            "removed": done and _gone(pool_dir),
+            "outside": _intact(outside),
+        }
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    bad = [name for name, ok in facts.items() if not ok]
+    if report is None:
+        text = f"aclose raised {error}"
+    elif report.finished:
+        text = f"closed in {took:.1f}s, all removed"
+    else:
+        text = f"closed in {took:.1f}s, rest removed in the background"
+    return Observed(text + (f"; FAILED: {', '.join(bad)}" if bad else ""), facts)
+
+
+def _facts(result: Any, layers: set[str]) -> tuple[bool, str, str]:
+    ok = all(result.facts.values())
+    return ok, "reaper and bystander unharmed, tree removed", "bounded remover"
+
+
+def _xattrs(path: str) -> dict[str, bytes]:
+    try:
+        return {n: os.getxattr(path, n, follow_symlinks=False) for n in os.listxattr(path)}
+    except OSError:
+        return {}
+
+
+def _disk_state(directory: str) -> dict[str, Any]:
+    """Everything a change to ``directory`` or its entries would show in (ctime included:
+    every change of metadata moves it)."""
+    state: dict[str, Any] = {}
+    for name in [".", *sorted(os.listdir(directory))]:
+        path = os.path.join(directory, name)
+        st = os.lstat(path)
+        state[name] = (
+            st.st_mode,
+            st.st_uid,
+            st.st_gid,
+            st.st_size,
+            st.st_mtime_ns,
+            st.st_ctime_ns,
+            _xattrs(path),
+        )
+    try:
+        with open(os.path.join(directory, "file"), "rb") as f:
+            state["content"] = f.read()
+    except FileNotFoundError:
+        state["content"] = None
+    return state
+
+
+def _target(base: str) -> str:
+    """A world-writable directory and file (with a ``user.toolpool`` attribute) in ``base``."""
+    os.chmod(base, 0o755)
+    directory = os.path.join(base, "target")
+    os.mkdir(directory)
+    os.chmod(directory, 0o777)
+    file = os.path.join(directory, "file")
+    with open(file, "w") as f:
+        f.write("original")
+    os.chmod(file, 0o666)
+    for path in (file, directory):
+        try:
+            os.setxattr(path, "user.toolpool", b"kit")
+        except OSError:
+            pass  # no user xattrs on this filesystem: the tool's attempts fail anyway
+    return directory
+
+
+async def _metadata_outside(pool: Any, threat: Threat, marker: str) -> Observed:
+    """A tool tries to change a world-writable directory and file outside its scratch
+    directory: their content, their names, their metadata. The disk is compared before and
+    after, not only the tool's word."""
+    base = tempfile.mkdtemp(prefix="toolpool-kit-")
+    try:
+        directory = _target(base)
+        before = _disk_state(directory)
+        result = await pool.call(threat.tool, {"directory": directory})
+        after = _disk_state(directory)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    report = result.value if result.ok and isinstance(result.value, dict) else {}
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    through = [op for op, what in report.items() if what == "done"]
+    text = "all refused" if report and not through else f"went through: {', '.join(through)}"
+    if not result.ok:
+        text = f"{result.outcome.value}: {result.error}"
+    return Observed(
+        text, {"ok": result.ok, "report": report, "through": through, "changed": changed}
+    )
+
+
+def _metadata(result: Any, layers: set[str]) -> tuple[bool, str, str]:
+    facts = result.facts
+    if not facts["ok"]:
+        return False, "a report of each attempt", "-"
+    through, changed = set(facts["through"]), facts["changed"]
+    if "readonly_fs" in layers:
+        by = "readonly_fs" + (" + landlock" if "landlock" in layers else "")
+        return not through and not changed, "every change refused (EROFS)", by
+    if "landlock" in layers:
+        # Landlock's rights cover content and names, not metadata.
+        ok = not through & {*CONTENT_OPS, *NAME_OPS}
+        ok = ok and "content" not in changed and set(changed) <= {".", "file"}
+        return ok, "content and names refused; metadata not contained", "landlock"
+    return True, "not contained (no read-only mounts, no Landlock)", "none"
+
+
+async def _non_string_key(pool: Any, threat: Threat, marker: str) -> Observed:
+    """Arguments with a map key that is not a string: refused at submit, saying where."""
+    try:
+        call = pool.submit(threat.tool, threat.args)
+    except TypeError as exc:
+        return Observed(f"TypeError at submit: {exc}"[:120], {"error": str(exc)})
+    result = await call
+    return Observed(f"accepted: {result.outcome.value} {result.error}"[:120], {"error": None})
+
+
+def _key_error(result: Any, layers: set[str]) -> tuple[bool, str, str]:
+    error = result.facts["error"] or ""
+    ok = "args['value'] has a key that is not a string: 1" in error
+    return ok, "TypeError at submit naming the key", "pack_value (submit)"
+
+
 THREATS: tuple[Threat, ...] = (
     Threat("fork bomb", "fork_bomb", {}, "timeout:1.5", _fork_bomb),
     Threat("memory hog", "memory_hog", {}, "timeout:5", _memory),
@@ -403,6 +797,38 @@ THREATS: tuple[Threat, ...] = (
         "timeout:0.5",
         _outcome(Outcome.KILLED, by="timeout + SIGTERM"),
     ),
+    Threat(
+        "hostile tree in scratch, then its worker exits",
+        "litter_scratch",
+        {"depth": 3000, "files": 1000},
+        "run",
+        _facts,
+        _litter_then_exit,
+    ),
+    Threat(
+        "hostile tree in scratch at the pool's close",
+        "litter_scratch",
+        {"depth": 3000, "files": 1000},
+        "run",
+        _facts,
+        _litter_then_close,
+    ),
+    Threat(
+        "changes metadata outside its scratch directory",
+        "touch_outside",
+        {},
+        "run",
+        _metadata,
+        _metadata_outside,
+    ),
+    Threat(
+        "arguments with a non-string key",
+        "echo",
+        {"value": {1: 2}},
+        "run",
+        _key_error,
+        _non_string_key,
+    ),
 )
 
 
@@ -434,20 +860,27 @@ async def run_threat(pool: Any, threat: Threat, marker: str) -> Verdict:
     timeout = None
     if threat.action.startswith("timeout:"):
         timeout = float(threat.action.split(":", 1)[1])
-    call = pool.submit(threat.tool, args, timeout=timeout)
-    if threat.action == "cancel":
-        await call.wait_started()
-        call.cancel()
-    result = await call
+    result: Any
+    if threat.runner is not None:
+        result = await threat.runner(pool, threat, marker)
+    else:
+        call = pool.submit(threat.tool, args, timeout=timeout)
+        if threat.action == "cancel":
+            await call.wait_started()
+            call.cancel()
+        result = await call
     leftovers = marker_processes(marker)
     active = {layer.name for layer in pool.containment().layers if layer.active}
     passed, expected, caught_by = threat.check(result, active)
-    observed = result.outcome.value
-    if result.ok and result.value is not None:
-        shown = repr(result.value)
-        if len(shown) > _OBSERVED_MAX:  # said so: never cut off silently
-            shown = shown[: _OBSERVED_MAX - 1] + "\N{HORIZONTAL ELLIPSIS}"
-        observed += f" {shown}"
+    if isinstance(result, Observed):
+        observed = result.text
+    else:
+        observed = result.outcome.value
+        if result.ok and result.value is not None:
+            shown = repr(result.value)
+            if len(shown) > _OBSERVED_MAX:  # said so: never cut off silently
+                shown = shown[: _OBSERVED_MAX - 1] + "\N{HORIZONTAL ELLIPSIS}"
+            observed += f" {shown}"
     after = await pool.call("cooperative", {"seconds": 0.0})
     if not after.ok:
         passed = False

@@ -880,6 +880,8 @@ class DecodedArgs(dict[str, Any]):
 
 
 def _freeze_args(args: Mapping[str, Any]) -> Mapping[str, Any]:
+    if isinstance(args, Exception):  # the worker could not decode them (protocol._unpack)
+        raise TypeError(f"arguments could not be decoded: {args}")
     if not isinstance(args, Mapping):
         raise TypeError(f"arguments must be a mapping, not {type(args).__name__}")
     if any(not isinstance(k, str) for k in args):
