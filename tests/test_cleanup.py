@@ -297,7 +297,7 @@ async def test_a_big_tree_is_removed_in_the_background_while_the_pool_serves(
         assert not os.path.lexists(scratch)
         # The replacement worker started meanwhile; both serve.
         pids = {(await pool.call("identity")).worker_pid for _ in range(2)}
-        assert len(pool.worker_pids()) == 2
+        assert len(pool.worker_pids) == 2
         assert lost.worker_pid not in pids
 
 

@@ -559,7 +559,7 @@ async def _litter_then_exit(pool: Any, threat: Threat, marker: str) -> Observed:
         bystander = pool.submit("cooperative", {"seconds": 120.0})
         await bystander.wait_started()
         busy = bystander._worker.pid if bystander._worker is not None else None
-        cwds = {pid: _cwd(pid) for pid in pool.worker_pids() if pid != busy}
+        cwds = {pid: _cwd(pid) for pid in pool.worker_pids if pid != busy}
         result = await pool.call(threat.tool, {**threat.args, "outside": outside, "leave": "exit"})
         scratch = cwds.get(result.worker_pid)
         if scratch is not None:
