@@ -803,11 +803,11 @@ def test_the_read_only_layer_is_reported_and_its_absence_logged(
     missing = (
         f"no mount namespace: unshare(CLONE_NEWNS): Operation not permitted: {METADATA_WARNING}"
     )
-    pool._worker_layers = {"readonly_fs": [False, missing], "landlock": [True, "ABI 7"]}
+    pool._core.worker_layers = {"readonly_fs": [False, missing], "landlock": [True, "ABI 7"]}
     layer = {layer.name: layer for layer in pool.containment().layers}["readonly_fs"]
     assert (layer.active, layer.detail) == (False, missing)
     with caplog.at_level("WARNING", logger="toolpool"):
-        pool._warn_inactive_layers()
+        warn_inactive_layers(pool.profile, pool.containment())
     assert "asks for readonly_fs, which is not active" in caplog.text
     assert METADATA_WARNING in pool.containment().format()
     default = toolpool.Pool(HOSTILE, workers=1)
