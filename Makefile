@@ -33,9 +33,10 @@ sim: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m toolpool demo
 
+# BASELINE=<python of another checkout's venv>: its toolpool runs beside this one (before/after).
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) bench/run.py
+	$(PY) bench/run.py $(if $(BASELINE),--baseline $(BASELINE))
 
 bench-smoke: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'

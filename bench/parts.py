@@ -1469,20 +1469,26 @@ def run_part(peer: str, part: str, sz: dict[str, Any], tmp: str) -> dict[str, An
             return floor_cold(sz)
         raise SystemExit(f"the floors have no part {part!r}")
     if peer == "toolpool":
+        import functools
+
         import anyio
 
+        # BENCH_LOOP=uvloop: the supervisor on uvloop's asyncio loop (an experiment, issue 15).
+        run: Any = functools.partial(
+            anyio.run, backend_options={"use_uvloop": os.environ.get("BENCH_LOOP") == "uvloop"}
+        )
         if part == "throughput":
-            return anyio.run(tp_throughput, sz)
+            return run(tp_throughput, sz)
         if part == "latency":
-            return anyio.run(tp_latency, sz)
+            return run(tp_latency, sz)
         if part == "stop":
-            return anyio.run(_tp_stop_part, sz, watcher, tmp)
+            return run(_tp_stop_part, sz, watcher, tmp)
         if part == "leaks":
-            return anyio.run(_tp_leak_part, sz, watcher, tmp)
+            return run(_tp_leak_part, sz, watcher, tmp)
         if part == "cold":
-            return anyio.run(tp_cold, sz)
+            return run(tp_cold, sz)
         if part == "scale":
-            return anyio.run(tp_scale, sz, tmp)
+            return run(tp_scale, sz, tmp)
     if part == "throughput":
         return peer_throughput(peer, sz)
     if part == "latency":

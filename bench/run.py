@@ -4,6 +4,12 @@
     python bench/run.py                 # the full run (make bench), under 10 minutes
     python bench/run.py --smoke         # tiny sizes (make bench-smoke, CI)
     python bench/run.py --peers toolpool,mp_pool --parts 1,2,3
+    python bench/run.py --baseline /other/checkout/.venv/bin/python   # before/after, one run
+
+With ``--baseline PYTHON`` (``make bench BASELINE=PYTHON``) every part of toolpool also runs
+under that interpreter, whose environment has another toolpool installed (an older commit,
+say), right before the part of this one: the two sit side by side in one run, a part apart
+at most, and the report gets a before/after table. The peers are not compared with it.
 
 Each (peer, part) runs as ``bench/parts.py PEER PART --json`` in its own interpreter, with
 ``bench/`` on PYTHONPATH (so spawn-based peers can import ``bodies``) and a fresh
@@ -53,6 +59,8 @@ PEER_MODULES = {
     "toolpool": "toolpool",
 }
 PART_TIMEOUT = {"smoke": 120.0, "full": 300.0}
+#: The peer name of toolpool run under ``--baseline``'s interpreter.
+BASELINE = "toolpool_base"
 PEER_LABEL = {
     "toolpool": "toolpool",
     "cf_fork": "cf (fork)",
@@ -64,6 +72,7 @@ PEER_LABEL = {
     "billiard": "billiard",
     "mpire": "mpire",
     "floor": "floors",
+    BASELINE: "toolpool (baseline)",
 }
 
 
@@ -114,7 +123,9 @@ def end_leftovers(tag: str, grace: float) -> list[dict[str, Any]]:
     return found
 
 
-def run_part(peer: str, part: str, smoke: bool, timeout: float) -> dict[str, Any]:
+def run_part(
+    peer: str, part: str, smoke: bool, timeout: float, baseline: str | None = None
+) -> dict[str, Any]:
     tag = f"run-{uuid.uuid4().hex}"
     env = dict(os.environ)
     env[TAG_VAR] = tag
@@ -122,7 +133,10 @@ def run_part(peer: str, part: str, smoke: bool, timeout: float) -> dict[str, Any
     env.pop("PYTHONSTARTUP", None)
     with tempfile.NamedTemporaryFile(prefix="bench-part-", suffix=".json", delete=False) as f:
         out_path = f.name
-    argv = [sys.executable, os.path.join(BENCH, "parts.py"), peer, part, "--json"]
+    python, as_peer = (
+        (baseline, "toolpool") if peer == BASELINE and baseline else (sys.executable, peer)
+    )
+    argv = [python, os.path.join(BENCH, "parts.py"), as_peer, part, "--json"]
     argv += ["--out", out_path] + (["--smoke"] if smoke else [])
     t0 = time.perf_counter()
     load_before = [round(x, 2) for x in os.getloadavg()]
@@ -154,6 +168,7 @@ def run_part(peer: str, part: str, smoke: bool, timeout: float) -> dict[str, Any
     except (OSError, ValueError):
         result = {"peer": peer, "part": part, "ok": False}
     finally:
+        result["peer"] = peer
         with contextlib.suppress(OSError):
             os.unlink(out_path)
     if timed_out:
@@ -178,6 +193,9 @@ def plan(peers: list[str], parts: list[str]) -> list[tuple[str, str]]:
     if "toolpool" in peers and "floor" in peers:
         peers = [p for p in peers if p != "floor"]
         peers.insert(peers.index("toolpool") + 1, "floor")
+    if BASELINE in peers and "toolpool" in peers:
+        peers = [p for p in peers if p != BASELINE]
+        peers.insert(peers.index("toolpool"), BASELINE)
     out = []
     for part in parts:
         for peer in peers:
@@ -381,7 +399,7 @@ def targets(peers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Where toolpool stands against each target of the issue (from this run only)."""
     tp = peers.get("toolpool", {})
     floor = peers.get("floor", {})
-    others = {k: v for k, v in peers.items() if k not in ("toolpool", "floor")}
+    others = {k: v for k, v in peers.items() if k not in ("toolpool", "floor", BASELINE)}
     out: list[dict[str, Any]] = []
 
     def add(name: str, value: Any, goal: str, met: bool | None, note: str = "") -> None:
@@ -528,6 +546,65 @@ def ratio(tp: dict[str, float] | None, peer: dict[str, float] | None) -> str:
     return f"{tp['median'] / peer['median']:.2f}"
 
 
+def before_after(
+    base: dict[str, Any], tp: dict[str, Any], floor: dict[str, Any], python: str | None
+) -> list[str]:
+    """toolpool under --baseline's interpreter (before) and this one (after), from one run."""
+
+    def stop(s: dict[str, Any], mode: str, what: str) -> dict[str, float] | None:
+        bodies = (s.get("stop") or {}).get(mode) or {}
+        runs = [b.get(what) for b in bodies.values() if b.get(what)]
+        if not runs:
+            return None
+        values = [r["median"] for r in runs]  # a median per body: their median, range
+        return {
+            "median": statistics.median(values),
+            "min": min(values),
+            "max": max(values),
+            "n": len(values),
+        }
+
+    rows = [
+        ("no-op calls/s (2 workers)", "noop_rate", 0),
+        ("10 KiB echo calls/s", "echo_10k_rate", 0),
+        ("1 MiB echo MiB/s", "echo_1m_mib_s", 0),
+        ("latency p50 us", "p50_us", 0),
+        ("latency p99 us", "p99_us", 0),
+        ("workers' CPU us per no-op call", "noop_workers_cpu_us", 0),
+        ("supervisor CPU us per no-op call", "noop_cpu_us", 0),
+        ("cold start ms", "cold_ms", 0),
+        ("idle worker USS MiB", "worker_uss_mib", 1),
+    ]
+    lines = [
+        "## Before and after (toolpool under --baseline, then this toolpool)",
+        "",
+        f"- baseline interpreter: `{python}`",
+        "",
+        "| figure | before | after | after / before |",
+        "| --- | --- | --- | --- |",
+    ]
+    for label, key, digits in rows:
+        lines.append(
+            f"| {label} | {fmt(base.get(key), digits)} | {fmt(tp.get(key), digits)} | "
+            f"{ratio(tp.get(key), base.get(key))} |"
+        )
+    for label, mode, what in (
+        ("cooperative cancel -> settled ms (median over bodies)", "cancel", "result_ms"),
+        ("forced kill -> settled ms (median over bodies)", "force", "result_ms"),
+        ("next call after a kill ms (median over bodies)", "force", "next_ms"),
+    ):
+        b, a = stop(base, mode, what), stop(tp, mode, what)
+        lines.append(f"| {label} | {fmt(b, 1)} | {fmt(a, 1)} | {ratio(a, b)} |")
+    zmq = floor.get("zmq_pingpong_p50_us")
+    if zmq:
+        lines.append(
+            f"| p50 / zmq ping-pong p50 ({fmt(zmq)} us) | {ratio(base.get('p50_us'), zmq)} | "
+            f"{ratio(tp.get('p50_us'), zmq)} | |"
+        )
+    lines.append("")
+    return lines
+
+
 def markdown(doc: dict[str, Any]) -> str:
     meta = doc["meta"]
     summary = doc["summary"]
@@ -625,6 +702,9 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"{ratio(tp.get('add_worker_fork_ms'), s.get('cold_ms'))} |"
             )
         lines.append("")
+    base = peers.get(BASELINE)
+    if tp and base:
+        lines += before_after(base, tp, peers.get("floor") or {}, meta.get("baseline"))
     fl = peers.get("floor")
     if fl:
         lines += [
@@ -946,8 +1026,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="latest", help="base name of the output files")
     parser.add_argument("--no-charts", action="store_true")
     parser.add_argument("--part-timeout", type=float, help="seconds for one (peer, part)")
+    parser.add_argument(
+        "--baseline", help="a python whose toolpool runs beside this one's (before/after)"
+    )
     args = parser.parse_args(argv)
     peers = parse_list(args.peers, list(PEERS))
+    if args.baseline and "toolpool" in peers:
+        peers.append(BASELINE)
     parts = parse_list(args.parts, list(PARTS.values()), PARTS)
     size = "smoke" if args.smoke else "full"
     timeout = args.part_timeout or PART_TIMEOUT[size]
@@ -963,6 +1048,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     meta: dict[str, Any] = {
+        "baseline": args.baseline,
         "command": " ".join(
             shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]
         ),
@@ -979,7 +1065,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for peer, part in plan(runnable, parts):
         t0 = time.perf_counter()
-        r = run_part(peer, part, args.smoke, timeout)
+        r = run_part(peer, part, args.smoke, timeout, args.baseline)
         status = "ok" if r.get("ok") else "FAILED"
         left = len(r.get("leftover_after_part") or [])
         print(

@@ -350,10 +350,10 @@ def leave_hidden_leftover(marker: str, how: str) -> int:
 
     command = ["/bin/sh", "-c", f"sleep 600; : {marker}"]
     if how == "patch":
-        import toolpool.worker._main as worker_main
+        import toolpool.worker._server as worker_server
 
-        worker_main._has_children = lambda: False  # type: ignore[attr-defined]
-        worker_main.others_listed = lambda listed, pid: 0  # type: ignore[attr-defined]
+        worker_server._has_children = lambda: False  # type: ignore[attr-defined]
+        worker_server.others_listed = lambda listed, pid: 0  # type: ignore[attr-defined]
         pid = subprocess.Popen(command, start_new_session=True).pid
     else:
         clone = {"x86_64": 56, "aarch64": 220}[platform.machine()]
@@ -456,7 +456,7 @@ def keep_queue_hostage(queued: int = 0) -> int:
     while len(server.queue) < queued and time.monotonic() < deadline:
         time.sleep(0.001)  # no event to wait on: the worker's loop appends to its queue
 
-    # Neither its loop nor its lane takes up anything more. (It still sends the results it
+    # Its main thread takes up nothing more. (It still sends the results it
     # holds back: its own call's result is one of them.)
     worker_main._Server._may_take = lambda self: False  # type: ignore[method-assign]
     worker_main._Server._withdraw = lambda self, call_id: None  # type: ignore[method-assign]

@@ -1,4 +1,5 @@
-"""Sync tool bodies run in a thread, never on the event loop, and are never abandoned (C2.5).
+"""In-process, sync tool bodies run in a thread, never on the event loop, and are never
+abandoned (C2.5). (A worker process runs them on its main thread: test_main_thread.py.)
 
 On asyncio the registry uses its own persistent body threads (``worker/_threads.py``); on trio,
 anyio's thread pool. Tests synchronise on events, never on sleeps.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -112,62 +112,4 @@ async def _natively_cancelled_waiter() -> None:
 
 
 def test_a_natively_cancelled_waiter_still_waits_for_the_body() -> None:
-    asyncio.run(_natively_cancelled_waiter())
-
-
-@pytest.fixture
-def quick_wait() -> Iterator[None]:
-    """The worker's setting: the loop blocks up to 0.2 ms for a body before waiting for it."""
-    _threads.set_quick_wait(0.0002)
-    try:
-        yield
-    finally:
-        _threads.set_quick_wait(0.0)
-
-
-@pytest.mark.usefixtures("quick_wait")
-def test_with_a_quick_wait_fast_and_slow_bodies_settle_alike() -> None:
-    release = threading.Event()
-
-    async def scenario() -> None:
-        loop = asyncio.get_running_loop()
-        entered = asyncio.Event()
-        assert await _threads.run_body_in_thread(lambda: "fast") == "fast"
-
-        def fails() -> None:
-            raise KeyError("fast failure")
-
-        with pytest.raises(KeyError, match="fast failure"):
-            await _threads.run_body_in_thread(fails)
-
-        def slow() -> str:
-            loop.call_soon_threadsafe(entered.set)
-            assert release.wait(WAIT)  # set by the loop: it must be free again meanwhile
-            back = anyio.from_thread.run_sync(threading.get_ident)
-            assert back != threading.get_ident()
-            return "slow"
-
-        task = asyncio.ensure_future(_threads.run_body_in_thread(slow))
-        await asyncio.wait_for(entered.wait(), WAIT)
-        release.set()
-        assert await asyncio.wait_for(task, WAIT) == "slow"
-
-        def slow_failure() -> None:
-            loop.call_soon_threadsafe(entered.set)
-            assert release.wait(WAIT)
-            raise ValueError("slow failure")
-
-        entered.clear()
-        release.clear()
-        task = asyncio.ensure_future(_threads.run_body_in_thread(slow_failure))
-        await asyncio.wait_for(entered.wait(), WAIT)
-        release.set()
-        with pytest.raises(ValueError, match="slow failure"):
-            await asyncio.wait_for(task, WAIT)
-
-    asyncio.run(scenario())
-
-
-@pytest.mark.usefixtures("quick_wait")
-def test_with_a_quick_wait_a_natively_cancelled_waiter_still_waits_for_the_body() -> None:
     asyncio.run(_natively_cancelled_waiter())

@@ -8,6 +8,7 @@ in the thread that cancels; a sync tool running in a thread can poll ``signal.ca
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import threading
@@ -101,15 +102,20 @@ class CancelSignal:
         event = anyio.Event()
         token = anyio.lowlevel.current_token()
         loop_thread = threading.get_ident()
+        loop = _running_asyncio_loop()
 
         def wake(_cause: CancelCause) -> None:
-            if threading.get_ident() == loop_thread:
-                event.set()
-            else:
-                try:
+            # From another thread, never wait for the loop: it may be blocked by the very
+            # body whose signal this thread cancels (a sync body on the worker's main thread).
+            try:
+                if threading.get_ident() == loop_thread:
+                    event.set()
+                elif loop is not None:
+                    loop.call_soon_threadsafe(event.set)
+                else:
                     anyio.from_thread.run_sync(event.set, token=token)
-                except RuntimeError:  # the loop is gone: nobody waits any more
-                    pass
+            except RuntimeError:  # the loop is gone: nobody waits any more
+                pass
 
         handle = self.add_callback(wake)
         try:
@@ -148,6 +154,13 @@ class CancelSignal:
     def __repr__(self) -> str:
         state = f"cancelled, {self._reason.kind}" if self._reason else "active"
         return f"<CancelSignal {state}>"
+
+
+def _running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # on trio
+        return None
 
 
 _CONTROLLER_TOKEN: Final = object()

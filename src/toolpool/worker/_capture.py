@@ -38,7 +38,10 @@ class OutputCapture:
         self._pending = b""
         self._marker: bytes | None = None
         self._marker_seen = threading.Event()
-        threading.Thread(target=self._drain, name="toolpool-output", daemon=True).start()
+        from ._server import start_thread_blocking_signals
+
+        # Signals are the main thread's, where the tools run (see _server).
+        start_thread_blocking_signals(self._drain, "toolpool-output")
 
     def _drain(self) -> None:
         while True:
@@ -80,7 +83,7 @@ class OutputCapture:
             self._dropped = 0
 
     def collect(self, call_id: int, timeout: float = 1.0) -> tuple[bytes, int]:
-        """End a call (blocking; run it in a thread): the output kept, and bytes dropped."""
+        """End a call (blocking): the output kept, and bytes dropped."""
         for stream in (sys.stdout, sys.stderr):
             try:
                 if stream is not None:

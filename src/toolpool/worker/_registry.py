@@ -7,7 +7,6 @@ learns of cancellation is its signal.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import itertools
@@ -15,17 +14,14 @@ import logging
 import math
 import warnings
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Final, TypeVar, final, overload
 
 import anyio
-import msgpack
 
 from ..core import (
-    ABORT_ERROR_NAME,
     ABORTED_BEFORE_DISPATCH_TEXT,
-    ABORTED_TEXT,
     AbortError,
     CancelCause,
     CancelController,
@@ -33,10 +29,38 @@ from ..core import (
     ConfigurationError,
     Fusion,
     Outcome,
-    ToolDenied,
     cancel_with_runtime_cause,
 )
-from ._schema import ToolSignature, inspect_tool
+from ._call import (
+    ApprovalHook,
+    AroundDispatch,
+    ContentFinalizer,
+    DispatchExecution,
+    PostPolicy,
+    PrePolicy,
+    ResultObserver,
+    ToolExecution,
+    ToolResult,
+    ToolSpec,
+    _cancelled,
+    _classify_failure,
+    _deadline_timer,
+    _denied,
+    _DispatchState,
+    _error,
+    _finalize,
+    _invoke_plain,
+    _ok,
+    _prepare,
+    _reason,
+    _Run,
+    _stage,
+    _stop_iteration_error,
+)
+from ._call import (
+    DecodedArgs as DecodedArgs,
+)
+from ._schema import inspect_tool
 from ._threads import run_body_in_thread
 
 __all__ = (
@@ -50,203 +74,11 @@ __all__ = (
 
 _log = logging.getLogger("toolpool.worker")
 
-TIMEOUT_TEXT: Final = "Error: tool call timed out"
 _PARENT_CAUSE: Final = CancelCause("parent")
-_TIMEOUT_CAUSE: Final = CancelCause("timeout")
 _DISPOSED_CAUSE: Final = CancelCause("disposed")
 _call_ids = itertools.count(1)
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-# --------------------------------------------------------------------------- results
-
-
-@final
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ToolResult:
-    """The frozen result of one registry call. Created by the registry only."""
-
-    tool: str
-    """The tool's name, as called."""
-    call_id: str
-    """The call's id (given by the caller, or made up by the registry)."""
-    outcome: Outcome
-    """What happened to the body (CONTRACT C3)."""
-    value: Any = None
-    """The body's value (a detached msgpack-compatible snapshot), for ``ok``."""
-    error: str | None = None
-    """Model-visible error text, for every outcome but ``ok``."""
-    error_name: str | None = None
-    """A short error class name: the exception type, ``AbortError``, ``Denied``..."""
-    body_started: bool = False
-    """Whether the body was invoked."""
-    context: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    """Context that stages attached with ``execution.attach()``; kept whatever the outcome."""
-    _packed_value: bytes | None = field(default=None, repr=False, compare=False)
-
-    def replace_content(self, *, value: Any = None, error: str | None = None) -> ToolResult:
-        """A copy with new content (``value`` for ``ok``, ``error`` text otherwise).
-
-        For content finalizers: outcome, flags and context cannot be changed.
-        """
-        if self.outcome is Outcome.OK:
-            return replace(self, value=value, _packed_value=None)
-        return replace(self, error=self.error if error is None else str(error))
-
-
-# --------------------------------------------------------------------------- views
-
-
-class _Run:
-    """The registry's private, mutable state of one call. Stages only ever see views of it."""
-
-    __slots__ = (
-        "args",
-        "call_id",
-        "caller_signal",
-        "context",
-        "dispatch_signal",
-        "tool",
-    )
-
-    def __init__(
-        self, tool: str, call_id: str, args: Mapping[str, Any], caller_signal: CancelSignal
-    ) -> None:
-        self.tool = tool
-        self.call_id = call_id
-        self.args = args
-        self.caller_signal = caller_signal
-        self.dispatch_signal = caller_signal
-        self.context: dict[str, Any] = {}
-
-
-class _ViewBase:
-    __slots__ = ("_run",)
-
-    def __init__(self, run: _Run) -> None:
-        self._run = run
-
-    @property
-    def tool(self) -> str:
-        """The name of the tool being called."""
-        return self._run.tool
-
-    @property
-    def call_id(self) -> str:
-        """The call's id."""
-        return self._run.call_id
-
-    @property
-    def args(self) -> Mapping[str, Any]:
-        """The frozen arguments."""
-        return self._run.args
-
-    def attach(self, key: str, value: Any) -> None:
-        """Attach context to the call's result; it is kept even if cancellation replaces it."""
-        if not isinstance(key, str):
-            raise TypeError("context keys are strings")
-        self._run.context[key] = value
-
-
-@final
-class ToolExecution(_ViewBase):
-    """The read-only execution view given to tool bodies, policies, approval and observers.
-
-    A tool asks for it by declaring a parameter annotated ``toolpool.ToolExecution``.
-    Its :attr:`signal` is always present and can only be observed.
-    """
-
-    __slots__ = ("_signal",)
-
-    def __init__(self, run: _Run, signal: CancelSignal) -> None:
-        super().__init__(run)
-        self._signal = signal
-
-    @property
-    def signal(self) -> CancelSignal:
-        """The call's cancel signal: the only way a body learns of cancellation."""
-        return self._signal
-
-    def __repr__(self) -> str:
-        return f"<ToolExecution {self.tool!r} id={self.call_id!r} {self._signal!r}>"
-
-
-@final
-class DispatchExecution(_ViewBase):
-    """The view given to around-dispatch wrappers: the only one whose signal may be replaced.
-
-    Set :attr:`signal` to a derived signal (a deadline, a nested scope) before delegating. The
-    registry fuses every replacement with the caller's signal, so the caller is never cut off,
-    and restores the caller's signal when dispatch ends. The signal can never be removed.
-    """
-
-    __slots__ = ()
-
-    @property
-    def signal(self) -> CancelSignal:
-        """The signal the body will see (fused with the caller's when it is invoked)."""
-        return self._run.dispatch_signal
-
-    @signal.setter
-    def signal(self, value: CancelSignal) -> None:
-        if not isinstance(value, CancelSignal):
-            raise TypeError(
-                f"a dispatch signal must be a CancelSignal, not {type(value).__name__}; "
-                "it can be replaced, never removed"
-            )
-        self._run.dispatch_signal = value
-
-    def __repr__(self) -> str:
-        return f"<DispatchExecution {self.tool!r} id={self.call_id!r} {self.signal!r}>"
-
-
-# --------------------------------------------------------------------------- stage types
-
-PrePolicy = Callable[[ToolExecution], Any]
-"""``policy(execution)``: raise :class:`toolpool.ToolDenied` (or return False) to deny."""
-ApprovalHook = Callable[[ToolExecution], Any]
-"""``hook(execution) -> bool``: True approves; False or :class:`ToolDenied` denies. May wait."""
-AroundDispatch = Callable[[DispatchExecution, Callable[[], Awaitable[Any]]], Awaitable[Any]]
-"""``async wrapper(dispatch, call_next) -> value``: may replace ``dispatch.signal``."""
-PostPolicy = Callable[[ToolExecution, Any], Any]
-"""``policy(execution, value)``: inspect the value; raise to fail the call."""
-ResultObserver = Callable[[ToolResult], object]
-"""``observer(result)``: sees every published result exactly once."""
-ContentFinalizer = Callable[[ToolResult], ToolResult]
-"""``finalize(result) -> result.replace_content(...)``: runs for every outcome."""
-
-
-@final
-@dataclass(frozen=True, slots=True)
-class ToolSpec:
-    """A registered tool: its function, description and signature."""
-
-    name: str
-    description: str
-    fn: Callable[..., Any]
-    signature: ToolSignature
-    is_async: bool
-    finalize: ContentFinalizer | None
-
-    def describe(self) -> dict[str, Any]:
-        """JSON-compatible description: ``name``, ``description``, ``input_schema``."""
-        return {
-            "name": self.name,
-            "description": self.description,
-            "input_schema": self.signature.json_schema(),
-        }
-
-
-class _DispatchState:
-    __slots__ = ("body_cancelled", "body_exc", "body_signal", "body_started", "refused")
-
-    def __init__(self) -> None:
-        self.body_started = False
-        self.refused = False
-        self.body_exc: BaseException | None = None
-        self.body_cancelled = False
-        self.body_signal: CancelSignal | None = None
 
 
 @final
@@ -302,6 +134,9 @@ class Registry:
         self._observers: list[ResultObserver] = []
         self._in_flight = 0
         self._idle: anyio.Event | None = None
+        #: How sync bodies are invoked: None in a thread (in-process, C2.5); the worker
+        #: process sets it to invoke them inline, on its main thread: ``caller(fn, kwargs)``.
+        self._sync_caller: Callable[[Callable[..., Any], dict[str, Any]], Any] | None = None
 
     # ---- registration
 
@@ -604,9 +439,8 @@ class Registry:
         on_dispatch: Callable[[], object] | None = None,
     ) -> ToolResult:
         """:meth:`execute_owned` for a call that :meth:`_runs_plain`, run entirely in the
-        calling thread, which is not the event loop's (the worker's body thread): the same
-        order, outcome and classification; the body is invoked directly, in this thread.
-        For the worker process only. Not counted in :attr:`in_flight`."""
+        calling thread, with no event loop (the worker's main thread): the same order,
+        outcome and classification. For the worker process only. Not in :attr:`in_flight`."""
         spec = self._tools[name]
         finalizer = spec.finalize
         try:
@@ -614,7 +448,7 @@ class Registry:
             if isinstance(prepared, ToolResult):
                 candidate = prepared
             else:
-                candidate = _invoke_plain(spec, *prepared, on_dispatch)
+                candidate = _invoke_plain(spec, *prepared, on_dispatch, self._sync_caller)
             return self._publish(finalizer, candidate)
         finally:
             cancel_with_runtime_cause(controller, _DISPOSED_CAUSE)
@@ -676,9 +510,15 @@ class Registry:
                     **kwargs,
                     spec.signature.execution_param: ToolExecution(run, body_signal),
                 }
+            sync_caller = self._sync_caller
             try:
                 if spec.is_async:
                     value = await spec.fn(**call_kwargs)
+                elif sync_caller is not None:
+                    try:
+                        value = sync_caller(spec.fn, call_kwargs)
+                    except StopIteration as raised:
+                        raise _stop_iteration_error(raised) from raised
                 else:
                     value = await run_body_in_thread(functools.partial(spec.fn, **call_kwargs))
             except BaseException as exc:
@@ -736,304 +576,3 @@ class Registry:
 
     def __repr__(self) -> str:
         return f"<Registry tools={sorted(self._tools)}>"
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _prepare(
-    spec: ToolSpec | None,
-    name: str,
-    args: Mapping[str, Any],
-    call_id: str,
-    caller: CancelSignal,
-) -> tuple[_Run, dict[str, Any]] | ToolResult:
-    """A call's first steps (C2.4): its arguments frozen and bound, then the caller's signal
-    checked; a result if the call ends here."""
-    if spec is None:
-        return _error(name, call_id, f"Error: unknown tool {name!r}", "UnknownTool")
-    try:
-        frozen = _freeze_args(args)
-        kwargs = spec.signature.bind(frozen)
-    except Exception as exc:
-        return _error(
-            name,
-            call_id,
-            f"Error: invalid arguments for tool {name!r}: {_text(exc)}",
-            "InvalidArguments",
-        )
-    run = _Run(name, call_id, frozen, caller)
-    if caller.cancelled:
-        return _cancelled(run, started=False, reason=caller.reason)
-    return run, kwargs
-
-
-def _invoke_plain(
-    spec: ToolSpec,
-    run: _Run,
-    kwargs: dict[str, Any],
-    on_dispatch: Callable[[], object] | None,
-) -> ToolResult:
-    """The body of a plain call (no wrappers, no post policies), invoked in this thread, and
-    its outcome, classified as :meth:`Registry._stages` would."""
-    caller = run.caller_signal
-    reason = caller.reason
-    if reason is not None:  # cancelled since the check in _prepare: never dispatched
-        return _cancelled(run, started=False, reason=reason)
-    state = _DispatchState()
-    state.body_signal = caller
-    if on_dispatch is not None:
-        on_dispatch()
-    state.body_started = True
-    if spec.signature.execution_param is not None:
-        kwargs = {**kwargs, spec.signature.execution_param: ToolExecution(run, caller)}
-    try:
-        value = spec.fn(**kwargs)
-    except BaseException as exc:  # a result, like any failure of a body (C2.6)
-        if isinstance(exc, StopIteration):
-            # As on the loop's path, where the body's exception is raised again in a
-            # coroutine, which turns a StopIteration into this (PEP 479).
-            raised = exc
-            exc = RuntimeError("coroutine raised StopIteration")
-            exc.__cause__ = raised
-        state.body_cancelled = caller.cancelled
-        state.body_exc = exc
-        # The worker's loop is asyncio's: its cancellation is asyncio.CancelledError.
-        return _classify_failure(run, state, exc, asyncio.CancelledError)
-    if caller.cancelled:
-        return _cancelled(run, started=True, reason=caller.reason)
-    return _ok(run, value, started=True)
-
-
-def _classify_failure(
-    run: _Run, state: _DispatchState, exc: BaseException, cancelled_class: type[BaseException]
-) -> ToolResult:
-    caller = run.caller_signal
-    cancelled_exc = isinstance(exc, (AbortError, cancelled_class))
-    if exc is state.body_exc:
-        if cancelled_exc and (state.body_cancelled or caller.cancelled):
-            reason = _reason(state) if state.body_cancelled else caller.reason
-            return _cancelled(run, started=True, reason=reason)
-        return _failure(run, exc, started=True, what="tool")
-    if not state.body_started and state.refused and isinstance(exc, AbortError):
-        return _cancelled(run, started=False, reason=caller.reason or _reason(state, exc))
-    if cancelled_exc and caller.cancelled:
-        return _cancelled(run, started=state.body_started, reason=caller.reason)
-    return _failure(run, exc, started=state.body_started, what="wrapper")
-
-
-async def _deadline_timer(deadline: CancelController, timeout: float | None) -> None:
-    assert timeout is not None
-    await anyio.sleep(timeout)
-    cancel_with_runtime_cause(deadline, _TIMEOUT_CAUSE)
-
-
-async def _stage(run: _Run, what: str, invoke: Callable[[], Any]) -> Any:
-    """Run a policy or hook, sync or async. Denials and failures become results (C2.6)."""
-    try:
-        verdict = invoke()
-        if inspect.isawaitable(verdict):
-            verdict = await verdict
-    except ToolDenied as exc:
-        return _denied(run, _text(exc) or f"refused by {what}")
-    except BaseException as exc:
-        if isinstance(exc, (AbortError, anyio.get_cancelled_exc_class())) and (
-            run.caller_signal.cancelled
-        ):
-            return _cancelled(run, started=False, reason=run.caller_signal.reason)
-        if not isinstance(exc, Exception):
-            _log.warning("%s raised %s; reported as an error", what, type(exc).__name__)
-        return _error(
-            run.tool,
-            run.call_id,
-            f"Error: {what} failed: {type(exc).__name__}: {_text(exc)}",
-            type(exc).__name__,
-            context=run.context,
-        )
-    return verdict
-
-
-def _reason(state: _DispatchState, exc: BaseException | None = None) -> CancelCause | None:
-    if state.body_signal is not None and state.body_signal.reason is not None:
-        return state.body_signal.reason
-    if isinstance(exc, AbortError):
-        return exc.cause
-    return None
-
-
-def _snapshot(
-    value: Any, *, wire: bool = True, default: Callable[[Any], Any] | None = None
-) -> tuple[Any, bytes]:
-    """A detached copy of ``value`` and its msgpack bytes. ``wire``: only what the other
-    side of the wire decodes (map keys str or bytes, as protocol._unpack demands); a value
-    that passes here and fails there would cost the worker its life, not the call a result.
-    ``default``: what stands for an object msgpack cannot pack (as in ``msgpack.packb``)."""
-    packed = msgpack.packb(value, use_bin_type=True, default=default)
-    return msgpack.unpackb(packed, raw=False, strict_map_key=wire), packed
-
-
-class DecodedArgs(dict[str, Any]):
-    """Arguments just decoded from msgpack (the worker's, from a call message): nobody else
-    holds them and they are what a snapshot would make, so freezing them takes no copy."""
-
-    __slots__ = ()
-
-
-def _freeze_args(args: Mapping[str, Any]) -> Mapping[str, Any]:
-    if isinstance(args, Exception):  # the worker could not decode them (protocol._unpack)
-        raise TypeError(f"arguments could not be decoded: {args}")
-    if not isinstance(args, Mapping):
-        raise TypeError(f"arguments must be a mapping, not {type(args).__name__}")
-    if any(not isinstance(k, str) for k in args):
-        raise TypeError("argument names must be strings")
-    if type(args) is DecodedArgs:
-        return MappingProxyType(args)
-    try:
-        copied, _ = _snapshot(dict(args), wire=False)  # (in-process; the wire checks its own)
-    except Exception as exc:
-        raise TypeError(f"arguments are not serializable: {_text(exc)}") from None
-    return MappingProxyType(copied)
-
-
-def _freeze_context(context: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A detached, wire-safe copy of what stages attached (anything msgpack cannot carry as
-    its ``repr``). Never raises (C2.6): an entry that cannot be carried at all (a map key
-    msgpack or the wire refuses, a value that contains itself, a ``repr`` that raises) is
-    replaced by a note saying so."""
-    if not context:
-        return MappingProxyType({})
-    try:
-        return MappingProxyType(_snapshot(dict(context), default=repr)[0])
-    except Exception:
-        pass
-    frozen: dict[str, Any] = {}
-    for key, value in context.items():  # str keys: attach() checks
-        try:
-            frozen[key] = _snapshot(value, default=repr)[0]
-        except Exception as exc:
-            frozen[key] = f"<not serializable: {type(exc).__name__}>"
-    return MappingProxyType(frozen)
-
-
-def _ok(run: _Run, value: Any, *, started: bool) -> ToolResult:
-    try:
-        snapshot, packed = _snapshot(value)
-    except Exception as exc:
-        return _error(
-            run.tool,
-            run.call_id,
-            f"Error: tool result is not serializable: {_text(exc)}",
-            "UnserializableResult",
-            started=started,
-            context=run.context,
-        )
-    return ToolResult(
-        tool=run.tool,
-        call_id=run.call_id,
-        outcome=Outcome.OK,
-        value=snapshot,
-        body_started=started,
-        context=_freeze_context(run.context),
-        _packed_value=packed,
-    )
-
-
-def _error(
-    tool: str,
-    call_id: str,
-    text: str,
-    name: str,
-    *,
-    started: bool = False,
-    context: Mapping[str, Any] | None = None,
-) -> ToolResult:
-    return ToolResult(
-        tool=tool,
-        call_id=call_id,
-        outcome=Outcome.ERROR,
-        error=text,
-        error_name=name,
-        body_started=started,
-        context=_freeze_context(context or {}),
-    )
-
-
-def _text(exc: BaseException) -> str:
-    """``str(exc)``, or what the traceback module says when that raises too: the text of an
-    error result never fails (C2.6)."""
-    try:
-        return str(exc)
-    except Exception:
-        return "<exception str() failed>"
-
-
-def _failure(run: _Run, exc: BaseException, *, started: bool, what: str) -> ToolResult:
-    if not isinstance(exc, Exception):
-        _log.warning("%s raised %s; reported as an error", what, type(exc).__name__)
-    _log.debug("%s %r failed", what, run.tool, exc_info=exc)
-    return _error(
-        run.tool,
-        run.call_id,
-        f"Error: {type(exc).__name__}: {_text(exc)}"
-        if what == "tool"
-        else f"Error: {what} failed: {type(exc).__name__}: {_text(exc)}",
-        type(exc).__name__,
-        started=started,
-        context=run.context,
-    )
-
-
-def _denied(run: _Run, reason: str) -> ToolResult:
-    return ToolResult(
-        tool=run.tool,
-        call_id=run.call_id,
-        outcome=Outcome.DENIED,
-        error=f"Error: tool call denied: {reason}",
-        error_name="Denied",
-        body_started=False,
-        context=_freeze_context(run.context),
-    )
-
-
-def _cancelled(run: _Run, *, started: bool, reason: CancelCause | None) -> ToolResult:
-    if reason is not None and reason.kind == "timeout":
-        outcome, text, name = Outcome.TIMEOUT, TIMEOUT_TEXT, "TimeoutError"
-    elif started:
-        outcome, text, name = Outcome.ABORTED, ABORTED_TEXT, ABORT_ERROR_NAME
-    else:
-        outcome, text, name = (
-            Outcome.ABORTED_BEFORE_DISPATCH,
-            ABORTED_BEFORE_DISPATCH_TEXT,
-            ABORT_ERROR_NAME,
-        )
-    return ToolResult(
-        tool=run.tool,
-        call_id=run.call_id,
-        outcome=outcome,
-        error=text,
-        error_name=name,
-        body_started=started,
-        context=_freeze_context(run.context),
-    )
-
-
-def _finalize(finalizer: ContentFinalizer | None, candidate: ToolResult) -> ToolResult:
-    if finalizer is None:
-        return candidate
-    try:
-        final = finalizer(candidate)
-        if not isinstance(final, ToolResult):
-            raise TypeError(f"returned {type(final).__name__}, not a ToolResult")
-        if final.outcome is Outcome.OK:
-            value, packed = _snapshot(final.value)
-            return replace(candidate, value=value, _packed_value=packed)
-        return replace(candidate, error=final.error)
-    except Exception as exc:
-        return replace(
-            candidate,
-            outcome=Outcome.ERROR,
-            value=None,
-            _packed_value=None,
-            error=f"Error: content finalizer failed: {type(exc).__name__}: {_text(exc)}",
-            error_name=type(exc).__name__,
-        )

@@ -31,6 +31,7 @@ from typing import NoReturn
 PRELOAD = (
     "toolpool",
     "toolpool.worker._main",
+    "toolpool.worker._server",
     "toolpool.worker._registry",
     "toolpool.worker._capture",
     "toolpool._transport",

@@ -7,10 +7,8 @@ call also takes a capacity limiter, enters a cancel scope and yields to the loop
 the hand-off. The body sees what it would see in one of anyio's worker threads: a copy of the
 caller's context, and an event loop token, so ``anyio.from_thread.run_sync()`` works in it.
 
-In the worker process, whose loop serves one call at a time, the loop may also block for a
-moment (``set_quick_wait``, 0.2 ms there) on the job's lock: a body that settles in that time
-costs no wake-up of the loop at all; a longer one is then waited for asynchronously, as above.
-A cancel message that arrives meanwhile is read at most that much later. Off by default.
+This is for the registry used in-process (tests, embedding): the worker process runs sync
+bodies on its main thread instead (``_server.py``, CONTRACT C2.5).
 
 A started body is never abandoned: if the awaiting task is cancelled anyway (the registry
 shields it, so only a native ``Task.cancel()`` can), the body is still waited for, and the
@@ -51,7 +49,7 @@ _internals = _anyio_internals()
 if _internals is not None:
     _AsyncIOBackend, _EventLoopToken, _anyio_threadlocals, _set_async_library = _internals
 
-__all__ = ("body_thread_context", "enter_body_thread", "run_body_in_thread", "set_quick_wait")
+__all__ = ("run_body_in_thread",)
 
 #: At most this many body threads; beyond it (many sync bodies at once, in-process), bodies
 #: use anyio's thread pool and its capacity limiter.
@@ -67,8 +65,6 @@ class _Job:
         "finished",
         "fn",
         "loop",
-        "mutex",
-        "quick",
         "token",
         "value",
     )
@@ -89,9 +85,6 @@ class _Job:
         self.finished = False
         self.value: Any = None
         self.error: BaseException | None = None
-        self.awaiting = True  # the loop waits on `done` (else: on `quick`, for a moment)
-        self.mutex: threading.Lock | None = None
-        self.quick: threading.Lock | None = None
 
 
 def _deliver(job: _Job) -> None:
@@ -121,20 +114,11 @@ class _BodyThread(threading.Thread):
             loop = job.loop
             del job.fn, job.context
             _idle.append(self)
-            mutex, quick = job.mutex, job.quick
-            if mutex is not None and quick is not None:
-                with mutex:
-                    job.finished = True
-                    wake = job.awaiting
-                quick.release()
-            else:
-                wake = True
-            if wake:
-                try:
-                    loop.call_soon_threadsafe(_deliver, job)
-                except RuntimeError:  # the loop is closed: nobody waits any more
-                    pass
-            del job, loop, mutex, quick
+            try:
+                loop.call_soon_threadsafe(_deliver, job)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+            del job, loop
 
 
 _idle: collections.deque[_BodyThread] = collections.deque()
@@ -178,20 +162,7 @@ async def run_body_in_thread(fn: Callable[[], Any]) -> Any:
         thread.start()
         _count += 1
     job = _Job(fn, loop, _token_for(loop), loop.create_future())
-    quick_wait = _quick_wait
-    if quick_wait > 0:
-        job.mutex = mutex = threading.Lock()
-        job.quick = quick = threading.Lock()
-        quick.acquire()
-        job.awaiting = False
-        thread.jobs.put(job)
-        quick.acquire(timeout=quick_wait)
-        with mutex:
-            if job.finished:  # settled while the loop waited a moment: no wake-up needed
-                return _outcome(job)
-            job.awaiting = True
-    else:
-        thread.jobs.put(job)
+    thread.jobs.put(job)
     cancelled: BaseException | None = None
     while True:
         try:
@@ -208,38 +179,8 @@ async def run_body_in_thread(fn: Callable[[], Any]) -> Any:
     return _outcome(job)
 
 
-def body_thread_context(loop: asyncio.AbstractEventLoop) -> tuple[Any, contextvars.Context]:
-    """On ``loop``'s thread: what another thread needs to run bodies as a body thread does
-    (:func:`enter_body_thread`, then each body in a copy of the context returned)."""
-    context = contextvars.copy_context()
-    if _set_async_library is not None:
-        context.run(_set_async_library, None)
-    token = _token_for(loop) if _EventLoopToken is not None else None
-    return token, context
-
-
-def enter_body_thread(token: Any) -> None:
-    """In the thread that will run bodies: what a body sees of anyio there is what it sees in
-    a body thread (``anyio.from_thread.run_sync()`` reaches the loop)."""
-    local = _anyio_threadlocals
-    if local is not None and token is not None:
-        local.current_token = token
-        local.current_cancel_scope = None
-
-
 def _outcome(job: _Job) -> Any:
     if job.error is not None:
         error, job.error = job.error, None
         raise error
     return job.value
-
-
-_quick_wait = 0.0
-
-
-def set_quick_wait(seconds: float) -> None:
-    """Let the loop block up to ``seconds`` for a body to settle before it waits
-    asynchronously: a body that settles that fast costs no loop wake-up. Only for a process
-    whose loop serves one call at a time (the worker); 0 (the default) turns it off."""
-    global _quick_wait
-    _quick_wait = float(seconds)
