@@ -424,7 +424,7 @@ async def test_a_non_string_key_is_refused_at_submit() -> None:
 
 def test_arguments_a_worker_cannot_decode_say_so() -> None:
     from toolpool.protocol import ProtocolViolation
-    from toolpool.worker._registry import _freeze_args
+    from toolpool.worker._call import _freeze_args
 
     with pytest.raises(TypeError, match=r"arguments could not be decoded: .*int is not allowed"):
         _freeze_args(ProtocolViolation("undecodable frame: ValueError: int is not allowed"))  # type: ignore[arg-type]
