@@ -101,13 +101,6 @@ class Call(CallRecord):
         """True once the worker reported that the body was invoked (see :meth:`wait_started`)."""
         return self._started
 
-    def _wake(self) -> None:
-        """It settled: wake whoever waits (the core's ``Settled`` action)."""
-        if self._event is not None:
-            self._event.set()
-        if self._started_event is not None:
-            self._started_event.set()
-
     def _wake_started(self) -> None:
         if self._started_event is not None:
             self._started_event.set()

@@ -34,11 +34,6 @@ class Dispatch(Settlement):
         results freed room for then go in one message per worker, not one each."""
         self._dispatch_due = True
 
-    def _run_dispatch(self) -> None:
-        while self._dispatch_due:
-            self._dispatch_due = False
-            self._dispatch_once()
-
     def _dispatch_once(self) -> None:
         if self.closing:
             return  # what is still queued settles as aborted_before_dispatch (disposed)

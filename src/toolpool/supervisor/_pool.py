@@ -602,7 +602,7 @@ class Pool(Channels):
         for action in actions:
             kind = type(action)
             if kind is Settled:
-                call: Call = action[0]  # type: ignore[misc,assignment]  # (Call._wake, inline)
+                call: Call = action[0]  # type: ignore[misc,assignment]  # wake its waiters
                 if call._event is not None:
                     call._event.set()
                 if call._started_event is not None:
