@@ -5,13 +5,23 @@ Never imports :mod:`toolpool.worker`: workers are started by module path.
 
 from ._calls import Call, Group
 from ._pool import Pool
-from ._results import ContainmentReport, Layer, Result, Rung, Statistics, Timeline, WorkerState
+from ._results import (
+    ContainmentReport,
+    Histogram,
+    Layer,
+    Result,
+    Rung,
+    Statistics,
+    Timeline,
+    WorkerState,
+)
 from ._sync import SyncCall, SyncPool
 
 __all__ = (
     "Call",
     "ContainmentReport",
     "Group",
+    "Histogram",
     "Layer",
     "Pool",
     "Result",

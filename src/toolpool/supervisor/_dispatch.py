@@ -155,7 +155,10 @@ class Dispatch(Settlement):
         self._dispatch()
 
     def _serving(self) -> int:
-        return sum(1 for w in self.workers.values() if w.calls)
+        # (an unkillable worker's call holds no slot: its replacement serves in its place)
+        return sum(
+            1 for w in self.workers.values() if w.calls and w.state is not WorkerState.UNKILLABLE
+        )
 
     def _behind(self, w: WorkerRecord, call: CallRecord) -> list[CallRecord]:
         """The calls sent to w after call, still in w."""

@@ -48,6 +48,7 @@ from ._containment import containment_report, supervisor_layers, warn_inactive_l
 from ._core import PoolCore
 from ._dispatch import QUEUE_BEHIND_FOR
 from ._lifecycle import EXIT_TOOLS_FAILED
+from ._observe import abandon_unsettled, close_report, snapshot, wait_settled_or_stuck
 from ._records import (
     KILLED_TEXT,
     TIMEOUT_TEXT,
@@ -65,6 +66,7 @@ from ._records import (
     Spawn,
     Started,
     Terminate,
+    Unkillable,
 )
 from ._results import CallableDict, CallableList, ContainmentReport, Result, Statistics
 from ._state import CoreConfig
@@ -127,6 +129,7 @@ class Pool(Channels):
         warm_spares: int = 0,
         start_method: StartMethod = "fork",
         prefetch: int | None = None,
+        unkillable_after: float = 10.0,
     ) -> None:
         """
         :param tools: ``"module:attribute"`` naming the Registry.
@@ -163,6 +166,12 @@ class Pool(Channels):
             ``untrusted`` does): there the supervisor then looks for leftover processes
             itself after every call, which it cannot while another call is already queued
             in the worker (``docs/pool.md``).
+        :param unkillable_after: seconds after the SIGKILL of a worker's tree after which a
+            process of it still there makes the worker ``unkillable`` (uninterruptible
+            sleep): it is logged and counted (``statistics()``), replaced at once, and
+            reaped whenever it dies; its call settles only then. ``aclose()`` waits no
+            longer for it and names it in its report (``docs/pool.md``, "Unkillable
+            workers"). A SIGKILLed tree is normally gone within milliseconds.
         """
         if not isinstance(tools, str) or ":" not in tools:
             raise ConfigurationError(f"tools must be 'module:attribute', got {tools!r}")
@@ -172,6 +181,7 @@ class Pool(Channels):
             ("cancel_grace", cancel_grace),
             ("term_grace", term_grace),
             ("start_timeout", start_timeout),
+            ("unkillable_after", unkillable_after),
         ):
             if (
                 isinstance(value, bool)
@@ -188,6 +198,9 @@ class Pool(Channels):
         self.cancel_grace = float(cancel_grace)
         self.term_grace = float(term_grace)
         self.start_timeout = float(start_timeout)
+        if unkillable_after <= 0:
+            raise ValueError("unkillable_after must be a positive number of seconds")
+        self.unkillable_after = float(unkillable_after)
         self.max_frame = max_frame
         self.max_start_failures = max_start_failures
         self.worker_output: WorkerOutput = worker_output
@@ -224,6 +237,7 @@ class Pool(Channels):
                 max_start_failures=max_start_failures,
                 allow_background=self.allow_background,
                 memory_cap=profile.memory,
+                unkillable_after=self.unkillable_after,
             ),
             self._files,  # the probe: the ledger and cgroup files it holds open
             lambda: secrets.token_hex(32).encode(),
@@ -319,6 +333,14 @@ class Pool(Channels):
         it spawned, is gone. Idempotent. Returns what is left on disk: a
         :class:`toolpool.CloseReport` (a huge scratch tree is removed in the background).
 
+        The one exception: a process that does not die of SIGKILL (uninterruptible sleep).
+        Once its worker is ``unkillable`` (``unkillable_after`` seconds after the SIGKILL)
+        the close waits no longer for it: the report names such processes
+        (``CloseReport.unkillable``) and the calls they keep from settling
+        (``CloseReport.unsettled``), and awaiting one of those raises
+        :class:`toolpool.PoolClosedError`. The close then takes at most about
+        ``cancel_grace + term_grace + unkillable_after`` seconds more than its calls do.
+
         Call it from the task and the cancel-scope nesting that called :meth:`start` (not,
         say, inside a ``fail_after`` entered after ``start()``): the pool's anyio task group
         must be left in order. Otherwise anyio raises RuntimeError, after every call has
@@ -339,7 +361,7 @@ class Pool(Channels):
                 cancel_with_runtime_cause(group._controller, _DISPOSED)
             core.close(time.monotonic())
             self._pump()
-            await self.wait_idle()
+            await wait_settled_or_stuck(self._core, self._wait_changed)
             await self._teardown()
         await self._exit_task_group()
         return self._close_report
@@ -384,6 +406,7 @@ class Pool(Channels):
         self._pump()
         with anyio.move_on_after(KILL_WAIT):
             await self._wait_all_gone()
+        unkillable, unsettled = abandon_unsettled(self._core, self._files)
         if self._reaper is not None:
             self._reaper_closing = True  # its end is no loss now
             await self._reaper.aclose()
@@ -394,15 +417,18 @@ class Pool(Channels):
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
+        cgroups_left: list[str] = []
         if self._cgroups is not None:
-            self._cgroups.remove()
+            cgroups_left = self._cgroups.remove()
             self._cgroups = None
         if self._dir is not None:
             self._close_report = await finish_cleanup(self._dir, self._reaper)
             self._dir = None
+        self._close_report = close_report(self._close_report, unkillable, unsettled, cgroups_left)
 
     async def _wait_all_gone(self) -> None:
-        while not self._core.all_gone():
+        """Until every worker is gone, or unkillable (which may never go)."""
+        while not self._core.all_gone_or_unkillable():
             await self._wait_changed()
 
     async def _wait_changed(self) -> None:
@@ -478,7 +504,8 @@ class Pool(Channels):
         )
 
     async def wait_idle(self) -> None:
-        """Wait until no call is queued or running."""
+        """Wait until no call is queued or running (a call held by an ``unkillable`` worker
+        runs until its tree is gone)."""
         calls = self._core.calls
         while calls:
             call = next(iter(calls.values()))
@@ -487,18 +514,7 @@ class Pool(Channels):
 
     def statistics(self) -> Statistics:
         """A frozen snapshot of the pool."""
-        core = self._core
-        running = core.in_flight()
-        return Statistics(
-            workers=MappingProxyType(dict(core.states())),
-            queued=len(core.calls) - running,
-            in_flight=running,
-            settled=MappingProxyType(dict(core.settled_counts)),
-            escalations=MappingProxyType(dict(core.escalation_counts)),
-            workers_started=core.started_count,
-            workers_replaced=core.replaced,
-            submitted=core.submitted,
-        )
+        return snapshot(self._core, self._files, time.monotonic())
 
     def containment(self) -> ContainmentReport:
         """What protects this pool's workers, layer by layer: active or not, and why.
@@ -661,6 +677,11 @@ class Pool(Channels):
                     self._start_task(self._end_orphan, cast(Orphaned, action).wid)
             elif kind is RestartReaper and self._tg is not None:
                 self._start_task(self._restart_reaper)
+            elif kind is Unkillable:
+                # The core logged it, took the worker out of service and replaced it; the
+                # reaper goes on with its tree. (What the pool's statistics say of it, they
+                # read from the core; its processes are read again whenever asked.)
+                pass
         return sent_to
 
     # ------------------------------------------------------------------ the clock

@@ -36,6 +36,7 @@ __all__ = (
     "Spawn",
     "Started",
     "Terminate",
+    "Unkillable",
     "WorkerRecord",
 )
 
@@ -141,18 +142,21 @@ class WorkerRecord:
         "gone_deferred",
         "head_since",
         "holding",
+        "killed_at",
         "lost_reason",
         "oom_kills",
         "orphaned",
         "peer_pid",
         "pending",
         "pid",
+        "replaced",
         "results",
         "secret",
         "signals",
         "start_failed",
         "start_method",
         "state",
+        "unkillable_pids",
         "verified",
         "violated",
         "violation",
@@ -190,6 +194,9 @@ class WorkerRecord:
         self.peer_pid: int | None = None  # who sent its first message (SO_PEERCRED)
         self.oom_kills = 0  # OOM kills in its memory cgroup, as the reaper read them at exit
         self.pending: Callable[..., None] | None = None  # settles its call once cleaned up
+        self.killed_at: float | None = None  # when its tree was first asked SIGKILLed
+        self.unkillable_pids: tuple[int, ...] = ()  # its tree's, when found unkillable
+        self.replaced = False  # a replacement was started before it was gone (unkillable)
 
     @property
     def call(self) -> CallRecord | None:
@@ -246,6 +253,15 @@ class Close(NamedTuple):
     wid: int
 
 
+class Unkillable(NamedTuple):
+    """Worker ``wid``'s tree is still there ``unkillable_after`` seconds after its SIGKILL
+    (``pids``: its processes then): report it (the core has logged it, taken the worker out
+    of service and started its replacement; the reaper goes on reaping it)."""
+
+    wid: int
+    pids: tuple[int, ...]
+
+
 class Orphaned(NamedTuple):
     """The reaper died: end worker ``wid``'s tree without it (its cgroup, where it has one),
     then report ``worker_gone`` saying whether the whole tree was verified gone."""
@@ -288,6 +304,7 @@ Action = (
     | Clean
     | Close
     | Orphaned
+    | Unkillable
     | RestartReaper
     | Settled
     | Started

@@ -101,7 +101,10 @@ class Settlement(CoreState):
         if call._queued:
             self._forget_queued(call)
         call._state = CallState.SETTLED
-        self.settled_counts[outcome.value] += 1
+        kind = outcome.value
+        self.settled_counts[kind] += 1
+        self.settled_by_tool[call.tool, kind] += 1
+        self.settle_latency.observe(now - call._times["submitted"])
         if call._rung is not Rung.NONE:
             self.escalation_counts[call._rung.value] += 1
         del self.calls[call.id]
