@@ -21,6 +21,7 @@ class FakeProbe:
         self.marks_of: dict[int, tuple[int, int]] = {}
         self.kept_of: dict[int, list[tuple[int, bytes]]] = {}
         self.members_of: dict[int, int] = {}
+        self.tree_of: dict[int, tuple[int, ...]] = {}
 
     def marks(self, wid: int) -> tuple[int, int] | None:
         return self.marks_of.get(wid)
@@ -38,6 +39,9 @@ class FakeProbe:
 
     def reset_peak(self, wid: int) -> None:
         pass
+
+    def tree_pids(self, wid: int, pid: int | None) -> tuple[int, ...]:
+        return self.tree_of.get(wid, ())
 
 
 def core_with_workers(

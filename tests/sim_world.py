@@ -66,8 +66,10 @@ from toolpool.supervisor._records import (
     Settled,
     Spawn,
     Terminate,
+    Unkillable,
 )
 from toolpool.supervisor._records import Started as StartedAction
+from toolpool.supervisor._results import WorkerState
 from toolpool.supervisor._state import CoreConfig
 
 #: Tools of the model: (name, body runs in a thread).
@@ -90,6 +92,7 @@ PROVIDER_TOOLS = {"default": TOOLS, "extra": EXTRA}
 CANCEL_GRACE = 1.0
 TERM_GRACE = 0.5
 START_TIMEOUT = 5.0
+UNKILLABLE_AFTER = 3.0
 
 
 class Violation(AssertionError):
@@ -130,6 +133,10 @@ class FakeWorker:
     shutdown: bool = False
     violated: bool = False
     exit_status: int | None = None
+    # In uninterruptible sleep: it does nothing, and no signal ends it until it is thawed
+    # (then the worst one it got does).
+    frozen: bool = False
+    pending_signal: int | None = None
 
 
 class World:
@@ -149,6 +156,7 @@ class World:
             start_timeout=START_TIMEOUT,
             max_start_failures=1000,
             drain_grace=0.5,
+            unkillable_after=UNKILLABLE_AFTER,
         )
         self.secrets = iter(range(1, 1 << 30))
         self.core = PoolCore(config, self.probe, lambda: b"s%032d" % next(self.secrets))
@@ -167,6 +175,9 @@ class World:
         self.steps = 0
         self.closing = False
         self.pids = iter(range(20000, 1 << 30))
+        self.unkillable_seen: set[int] = set()  # wids the core reported unkillable
+        self.held_by_unkillable: set[int] = set()  # calls their unkillable worker held then
+        self.awaiting_replacement: list[int] = []  # reported unkillable in this flush
 
     # ---- the core's side
 
@@ -177,11 +188,43 @@ class World:
                 break
             for action in actions:
                 self.perform(action)
+        core = self.core
+        # An unkillable worker's slot is filled at once: its provider is back at its size
+        # (its replacement may have started earlier, with another worker's).
+        for wid in self.awaiting_replacement:
+            p = core.workers[wid].provider if wid in core.workers else None
+            if p is None or core.closing or core.broken is not None or not core.reaper_up:
+                continue
+            if p.live and p.broken is None:
+                # Its slot, not counting it: workers that serve or will, and those being
+                # killed for a call (each replaced once its tree is gone).
+                slots = sum(
+                    1
+                    for x in core.workers.values()
+                    if x.provider is p
+                    and not x.gone
+                    and not x.draining
+                    and x.state not in (WorkerState.UNKILLABLE, WorkerState.RETIRING)
+                )
+                if slots < p.spec.size + p.spec.warm_spares:
+                    raise Violation(f"unkillable worker {wid} not replaced ({p!r})")
+        self.awaiting_replacement.clear()
         self.check()
 
     def perform(self, action: Any) -> None:
         core = self.core
-        if isinstance(action, Spawn):
+        if isinstance(action, Unkillable):
+            w = self.workers[action.wid]
+            if action.wid in self.unkillable_seen:
+                raise Violation(f"worker {action.wid} reported unkillable twice")
+            self.unkillable_seen.add(action.wid)
+            cw = core.workers[action.wid]
+            self.held_by_unkillable.update(c.id for c in cw.calls)
+            if not cw.start_failed and not cw.awaiting_fatal:
+                self.awaiting_replacement.append(action.wid)
+            if w.alive and action.pids != (w.pid,):
+                raise Violation(f"unkillable worker {w.wid}: pids {action.pids}, not {w.pid}")
+        elif isinstance(action, Spawn):
             w = FakeWorker(action.wid, action.secret, next(self.pids))
             w.lingers = self.rng.random() < 0.2
             self.workers[action.wid] = w
@@ -237,6 +280,10 @@ class World:
     def die(self, w: FakeWorker, status: int) -> None:
         """w's process ends (its tree may linger); the reaper reports it."""
         if not w.alive:
+            return
+        if w.frozen:  # uninterruptible sleep: it dies of it once thawed
+            if w.pending_signal is None or status == -9:
+                w.pending_signal = status
             return
         w.alive = False
         w.exit_status = status
@@ -294,6 +341,17 @@ class World:
                 self.reports.append(("gone", w.wid))
         elif kind == "crash" and live:
             self.die(live[step[1] % len(live)], -9)
+        elif kind == "freeze" and live and self.reaper_up:
+            # Uninterruptible sleep (a hung mount): not while the reaper is down, whose
+            # orphaned trees the shell ends itself (bounded there, not modelled).
+            w = live[step[1] % len(live)]
+            if w.alive and not w.frozen:
+                w.frozen = True
+                self.probe.tree_of[w.wid] = (w.pid,)
+        elif kind == "thaw":
+            frozen = [w for w in self.workers.values() if w.frozen]
+            if frozen:
+                self.thaw(frozen[step[1] % len(frozen)])
         elif kind == "garbage" and live:
             w = live[step[1] % len(live)]
             if w.alive:
@@ -306,7 +364,7 @@ class World:
                 else:
                     w.outbox.append(ResultMessage(10**9, "ok", None, None, None, True, {}, 0, {}))
         elif kind == "reaper_lost":
-            if self.reaper_up:
+            if self.reaper_up and not any(w.frozen for w in self.workers.values()):
                 self.reaper_up = False
                 # Its unsent reports die with it; its workers die (PDEATHSIG), their trees
                 # may not.
@@ -393,9 +451,15 @@ class World:
         elif kind == "cleaned":
             core.cleaned(w.wid, report[2], self.now)
 
+    def thaw(self, w: FakeWorker) -> None:
+        w.frozen = False
+        self.probe.tree_of.pop(w.wid, None)
+        if w.pending_signal is not None:
+            self.die(w, w.pending_signal)
+
     def work(self, w: FakeWorker) -> None:
         """w does one thing, as the real worker would: read a message, or move its call on."""
-        if not w.alive:
+        if not w.alive or w.frozen:
             return
         if w.inbox:
             msg = w.inbox.popleft()
@@ -558,6 +622,15 @@ class World:
         for call in self.calls:
             if call._result is None and call.id not in core.calls:
                 raise Violation(f"call {call.id} is neither settled nor held")
+        for cw in core.workers.values():
+            # Unkillable, in time: a tree still there unkillable_after past its SIGKILL.
+            w = self.workers[cw.wid]
+            overdue = cw.killed_at is not None and self.now >= cw.killed_at + UNKILLABLE_AFTER
+            stuck = overdue and not cw.gone and not cw.orphaned and w.frozen
+            if stuck and cw.state is not WorkerState.UNKILLABLE:
+                raise Violation(f"worker {cw.wid} frozen past its SIGKILL, not unkillable")
+            if cw.state is WorkerState.UNKILLABLE and cw in core.ready:
+                raise Violation(f"unkillable worker {cw.wid} is ready for calls")
 
     # ---- the end
 
@@ -572,10 +645,43 @@ class World:
                 core.cancel_group(group, CancelCause("disposed"), self.now)
         core.close(self.now)
         self.flush()
+        # (the reaper's reports in flight are read first, as the shell reads them at once)
+        self.settle_down(
+            lambda: core.idle_or_stuck() and core.all_gone_or_unkillable() and not self.reports
+        )
+        # What the close leaves: only unkillable workers, holding the only unsettled calls,
+        # each really still there in the model.
+        stuck = core.unkillable()
+        if len(stuck) != len(core.workers):
+            raise Violation(f"close left workers: {sorted(core.workers)}")
+        held = {c.id for cw in stuck for c in cw.calls}
+        for cw in stuck:
+            w = self.workers[cw.wid]
+            if not (w.alive or w.tree):
+                raise Violation(f"close left worker {cw.wid} unkillable, but its tree is gone")
+        unsettled = [c.id for c in self.calls if c._result is None and c.id not in held]
+        if unsettled:
+            raise Violation(f"close left calls unsettled: {unsettled[:10]}")
+        # Reaping goes on: once their trees go (thawed), their calls settle, their workers
+        # are gone.
+        for w in list(self.workers.values()):
+            if w.frozen:
+                self.thaw(w)
+        self.flush()
+        self.settle_down(lambda: not core.calls and not core.workers)
+        unsettled = [c.id for c in self.calls if c._result is None]
+        if unsettled:
+            raise Violation(f"close left calls unsettled: {unsettled[:10]}")
+        if core.workers:
+            raise Violation(f"close left workers: {sorted(core.workers)}")
+
+    def settle_down(self, done: Any) -> None:
+        """Run the world (closing) until ``done()``."""
+        core = self.core
         started = self.now
         killed = False
         for _ in range(20_000):
-            if not core.calls and not core.workers:
+            if done():
                 break
             if core.calls:
                 pass
@@ -608,11 +714,6 @@ class World:
             self.now += 0.01 if progressed else 0.1  # a body that never ends: time goes on
             core.timer(self.now)
             self.flush()
-        unsettled = [c.id for c in self.calls if c._result is None]
-        if unsettled:
-            raise Violation(f"close left calls unsettled: {unsettled[:10]}")
-        if core.workers:
-            raise Violation(f"close left workers: {sorted(core.workers)}")
 
 
 # --------------------------------------------------------------------------- schedules
@@ -630,6 +731,8 @@ STEP_KINDS = (
     ("garbage", 1),
     ("reaper_lost", 0.3),
     ("provider", 0.6),
+    ("freeze", 0.4),
+    ("thaw", 0.4),
 )
 
 
@@ -714,6 +817,8 @@ class Summary:
     steps: int = 0
     settled: int = 0
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
+    unkillable: int = 0  # workers found unkillable
+    held_then_settled: int = 0  # calls an unkillable worker held, settled once its tree went
     failures: list[tuple[int, str, list[tuple[Any, ...]]]] = field(default_factory=list)
 
 
@@ -735,6 +840,10 @@ def simulate(
         summary.schedules += 1
         summary.steps += world.steps
         summary.settled += len(world.settled)
+        summary.unkillable += len(world.unkillable_seen)
+        summary.held_then_settled += sum(
+            1 for c in world.calls if c.id in world.held_by_unkillable and c._result is not None
+        )
         for call in world.calls:
             if call._result is not None:
                 summary.outcomes[call._result.outcome.value] += 1
@@ -746,6 +855,8 @@ def report(summary: Summary) -> str:
         f"{summary.schedules} schedules, {summary.steps} steps, {summary.settled} calls "
         f"settled, invariants checked after every step",
         "outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.outcomes.items())),
+        f"unkillable workers {summary.unkillable}, their calls settled once their trees went "
+        f"{summary.held_then_settled}",
     ]
     for seed, error, shrunk in summary.failures:
         lines.append(f"FAILED seed {seed}: {error}")

@@ -20,6 +20,10 @@ def test_the_core_keeps_its_promises_over_random_schedules() -> None:
     # Not vacuous: the schedules reached every outcome the model can produce.
     for outcome in ("ok", "aborted", "aborted_before_dispatch", "killed", "worker_lost"):
         assert summary.outcomes[outcome] > 0, summary.outcomes
+    # ... and trees that did not die of SIGKILL: workers found unkillable, whose calls then
+    # settled only once their trees went.
+    assert summary.unkillable > 0
+    assert summary.held_then_settled > 0
 
 
 @pytest.mark.timeout(60)
@@ -45,5 +49,32 @@ def test_a_broken_promise_is_caught_and_shrunk(monkeypatch: pytest.MonkeyPatch) 
     seed, error, shrunk = summary.failures[0]
     assert "but its body ran" in error or "ran 2 times" in error, error
     assert 0 < len(shrunk) < 300
+    with pytest.raises(sim_world.Violation):
+        sim_world.run(seed, shrunk)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("broken", "caught"),
+    [
+        ("never", "not unkillable"),  # a core that waits for ever for a tree that never goes
+        ("gone", "while worker"),  # a core that takes an overdue tree for gone: settles early
+    ],
+)
+def test_the_unkillable_checks_can_fail(
+    monkeypatch: pytest.MonkeyPatch, broken: str, caught: str
+) -> None:
+    from toolpool.supervisor._lifecycle import Lifecycle
+
+    def overdue(self: Lifecycle, wid: int) -> None:
+        w = self.workers.get(wid)
+        if broken == "gone" and w is not None and not w.gone:
+            self._worker_gone(w)
+
+    monkeypatch.setattr(Lifecycle, "_kill_overdue", overdue)
+    summary = sim_world.simulate(0, 300, 300)
+    assert summary.failures
+    seed, error, shrunk = summary.failures[0]
+    assert caught in error, error
     with pytest.raises(sim_world.Violation):
         sim_world.run(seed, shrunk)

@@ -6,6 +6,7 @@ reports back events. One reaper serves one pool.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,6 +31,9 @@ _log = logging.getLogger("toolpool")
 #: Seconds of removal the reaper may spend at the pool's close before it says goodbye (and
 #: goes on removing the rest after it).
 EXIT_CLEANUP_BUDGET: Final = 2.0
+#: Seconds the reaper waits at the pool's close for the workers it killed to die; those still
+#: alive then (uninterruptible sleep) are named in the close's report (``unkillable``).
+EXIT_KILL_WAIT: Final = 2.0
 #: Seconds the supervisor spends removing the pool's directory itself (when the reaper could
 #: not) before it leaves the rest to a background process.
 SUPERVISOR_CLEANUP_BUDGET: Final = 2.0
@@ -58,19 +62,35 @@ class CloseReport:
     ``finished``: everything the pool wrote (its directory, every worker's scratch directory)
     is removed. Otherwise ``pending`` names what is still being removed in the background, by
     process ``cleaner_pid`` (the pool's reaper staying on after the pool closed, or a helper),
-    and ``failed`` what could not be removed, and why. Every process of the pool is gone
-    either way: only files are left.
+    and ``failed`` what could not be removed, and why.
+
+    Every process of the pool is gone, but for those named in ``unkillable``: processes of
+    workers' trees that did not die of SIGKILL (uninterruptible sleep: a hung NFS or FUSE
+    mount, a frozen cgroup v1...), left to die whenever the kernel lets them (init reaps
+    them then). ``unsettled`` names the calls those workers held: they are not settled
+    (their tree is known alive: CONTRACT C4.3), and awaiting one raises
+    :class:`toolpool.PoolClosedError`. The directories and cgroups of such trees cannot be
+    removed while they live (``failed``).
     """
 
     finished: bool = True
     pending: tuple[str, ...] = ()
     failed: tuple[str, ...] = ()
     cleaner_pid: int | None = None
+    unkillable: tuple[int, ...] = ()
+    unsettled: tuple[int, ...] = ()
 
     def format(self) -> str:
+        lines = []
+        if self.unkillable:
+            pids = ", ".join(map(str, self.unkillable))
+            lines.append(f"processes that did not die of SIGKILL (still alive): {pids}")
+        if self.unsettled:
+            ids = ", ".join(map(str, self.unsettled))
+            lines.append(f"calls not settled (their worker's tree lives): {ids}")
         if self.finished:
-            return "every directory of the pool is removed"
-        lines = [f"still being removed by process {self.cleaner_pid}: {p}" for p in self.pending]
+            return "\n".join([*lines, "every directory of the pool is removed"])
+        lines += [f"still being removed by process {self.cleaner_pid}: {p}" for p in self.pending]
         lines += [f"not removed: {f}" for f in self.failed]
         return "\n".join(lines)
 
@@ -89,6 +109,7 @@ class ReaperClient:
         self.said_bye = False
         self.unfinished: list[str] = []  # what the reaper goes on removing after its bye
         self.failed: list[str] = []  # what it could not remove, and why
+        self.unkillable: list[int] = []  # processes alive after every kill, at its exit
         self.lingering_pid: int | None = None  # the reaper, still removing after the close
         self.removing: set[str] = set()  # scratch directories it removes in the background
         self._removed: anyio.Event | None = None
@@ -164,6 +185,7 @@ class ReaperClient:
                         self._bye = self.said_bye = True
                         self.unfinished = [str(p) for p in event.get("unfinished") or []]
                         self.failed = [str(f) for f in event.get("failed") or []]
+                        self.unkillable = [int(p) for p in event.get("unkillable") or []]
                     elif kind in ("cleanup_pending", "cleanup_done"):
                         _log_cleanup(event)  # the client's own: the pool needs none of it
                         self._track(event)
@@ -264,8 +286,9 @@ class ReaperClient:
     async def aclose(self) -> None:
         """Ask the reaper to kill whatever is left and exit; wait until it has, or until it
         said goodbye with directories left to remove (it stays on to remove them: see
-        :attr:`unfinished`, :attr:`lingering_pid`)."""
-        self.send(op="exit", cleanup_budget=EXIT_CLEANUP_BUDGET)
+        :attr:`unfinished`, :attr:`lingering_pid`). What did not die of its SIGKILL within
+        EXIT_KILL_WAIT is named in :attr:`unkillable`."""
+        self.send(op="exit", cleanup_budget=EXIT_CLEANUP_BUDGET, kill_wait=EXIT_KILL_WAIT)
         proc, self._proc = self._proc, None
         try:
             # Shielded, and bounded: a cancelled caller must not leave the process or its
@@ -337,6 +360,15 @@ async def finish_cleanup(path: str | None, reaper: ReaperClient | None) -> Close
     here if the reaper did not (it died, say). Never blocks for long: what is not removed in
     SUPERVISOR_CLEANUP_BUDGET seconds is left to a background process."""
     failed = tuple(reaper.failed) if reaper is not None else ()
+    report = await _finish_cleanup(path, reaper, failed)
+    if reaper is not None and reaper.unkillable:
+        report = dataclasses.replace(report, unkillable=tuple(reaper.unkillable))
+    return report
+
+
+async def _finish_cleanup(
+    path: str | None, reaper: ReaperClient | None, failed: tuple[str, ...]
+) -> CloseReport:
     if reaper is not None and reaper.unfinished:
         pending = tuple(reaper.unfinished)
         return CloseReport(False, pending, failed, reaper.lingering_pid)

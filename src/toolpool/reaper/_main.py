@@ -46,9 +46,9 @@ from typing import Any, NoReturn
 import psutil
 
 
-def _load(name: str) -> Any:
-    """Load toolpool/sandbox/<name>.py by path (importing toolpool itself would be heavy)."""
-    path = Path(__file__).resolve().parent.parent / "sandbox" / f"{name}.py"
+def _load(name: str, package: str = "sandbox") -> Any:
+    """Load toolpool/<package>/<name>.py by path (importing toolpool itself would be heavy)."""
+    path = Path(__file__).resolve().parent.parent / package / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"_toolpool{name}", path)
     assert spec is not None
     assert spec.loader is not None
@@ -61,6 +61,7 @@ def _load(name: str) -> Any:
 cgroups = _load("_cgroups")
 linux = _load("_linux")
 remove = _load("_remove")
+trees = _load("_trees", "reaper")
 
 #: The worker's exit status when its set-up failed (``toolpool.worker._main.EXIT_SETUP_FAILED``).
 EXIT_SETUP_FAILED = 70
@@ -73,6 +74,13 @@ FIRST_SLICE = 0.05
 SLICE = 0.02
 #: Seconds of removal at exit before ``bye``; what is left is removed after it.
 EXIT_CLEANUP_BUDGET = 2.0
+#: Seconds to wait for killed orphans to die before going on without them: one that does not
+#: (uninterruptible sleep) lingers, keeps its trees from being reported gone, and is reaped
+#: whenever it dies.
+ORPHAN_WAIT = 1.0
+#: Seconds to wait at exit for the killed workers to die; what is still alive then is named
+#: in ``bye`` (``unkillable``).
+EXIT_KILL_WAIT = 2.0
 
 
 class Template:
@@ -131,6 +139,11 @@ class Reaper:
         self.groups: dict[int, list[str]] = {}  # wid -> its cgroup directories
         self.pending_gone: list[int] = []  # wids reaped whose orphans may still live
         self.stuck: set[int] = set()  # wids whose cgroup would not empty yet
+        # Killed orphans that did not die (uninterruptible sleep): pid -> the wids whose
+        # trees they may be of (those that died when they were orphaned). Our children
+        # until reaped, so their pids are not reused.
+        self.lingering: dict[int, set[int]] = {}
+        self.exit_kill_wait = EXIT_KILL_WAIT
         self.owned: list[str] = []  # the pool's directories, removed when the reaper exits
         self.removals: collections.deque[tuple[int | None, Any]] = collections.deque()
         self.failed: list[str] = []  # removals that ended with something left, and why
@@ -164,6 +177,7 @@ class Reaper:
         elif op == "exit":
             self.closing = True
             self.exit_budget = float(msg.get("cleanup_budget", EXIT_CLEANUP_BUDGET))
+            self.exit_kill_wait = float(msg.get("kill_wait", EXIT_KILL_WAIT))
 
     # ---- spawning
 
@@ -272,9 +286,9 @@ class Reaper:
         pid = self._pid_of(wid)
         if pid is None:
             return
-        for proc in _descendants(pid):
-            _signal(proc, sig)
-        _kill(pid, sig)
+        for proc in trees.descendants(pid):
+            trees.signal_proc(proc, sig)
+        trees.kill_pid(pid, sig)
 
     def kill_worker(self, wid: int) -> None:
         pid = self._pid_of(wid)
@@ -291,8 +305,10 @@ class Reaper:
         killed: set[int] = set()
         if pid is not None:
             groups = self.groups.get(wid, [])
+            signalled: set[psutil.Process] = set()
+            dying_until: float | None = None
             for _ in range(10_000):
-                alive = [p for p in _descendants(pid) if not _is_zombie(p)]
+                alive = [p for p in trees.descendants(pid) if not trees.is_zombie(p)]
                 alive_pids = {p.pid for p in alive}
                 for member in cgroups.members(groups):
                     if member != pid and member not in alive_pids:
@@ -300,13 +316,25 @@ class Reaper:
                             proc = psutil.Process(member)
                         except psutil.Error:
                             continue
-                        if not _is_zombie(proc):
+                        if not trees.is_zombie(proc):
                             alive.append(proc)
                 if not alive:
                     break
-                for proc in alive:
+                fresh = [p for p in alive if p not in signalled]
+                if not fresh:
+                    # Only ones killed already: dying, or not dying at all (uninterruptible
+                    # sleep), which no further signal changes. Bounded: the reaper goes on.
+                    if dying_until is None:
+                        dying_until = time.monotonic() + trees.KILL_TREE_WAIT
+                    elif time.monotonic() >= dying_until:
+                        break
+                    time.sleep(0.0002)
+                    self.reap()
+                    continue
+                for proc in fresh:
                     killed.add(proc.pid)
-                    _signal(proc, signal.SIGKILL)
+                    signalled.add(proc)
+                    trees.signal_proc(proc, signal.SIGKILL)
                 self.reap()  # ours (re-parented ones) must leave the cgroup too
         self.send(ev="cleaned", wid=wid, count=len(killed))
 
@@ -326,6 +354,7 @@ class Reaper:
                 break
             if pid == 0:
                 break
+            self.lingering.pop(pid, None)  # a lingering orphan died at last
             wid = self.workers.pop(pid, None)
             if wid is not None:
                 code = os.waitstatus_to_exitcode(status)
@@ -338,43 +367,62 @@ class Reaper:
             self.kill_orphans()
 
     def kill_orphans(self) -> None:
-        """Kill and reap every child that is not a live worker; then report trees gone."""
+        """Kill and reap every child that is not a live worker; then report trees gone.
+
+        An orphan that does not die within ORPHAN_WAIT (uninterruptible sleep) lingers: it
+        is reaped whenever it dies, and until then the trees it may be of (the workers
+        that died when it became an orphan: none later, it was ours already) are not
+        reported gone (``stuck``), however long that takes."""
+        deadline = time.monotonic() + ORPHAN_WAIT
         while True:
-            orphans = [c for c in _children(os.getpid()) if c.pid not in self.workers]
-            alive = [c for c in orphans if not _is_zombie(c)]
+            orphans = [
+                c
+                for c in trees.children(os.getpid())
+                if c.pid not in self.workers and c.pid not in self.lingering
+            ]
+            alive = [c for c in orphans if not trees.is_zombie(c)]
             for orphan in alive:
                 kill_tree(orphan.pid)
             if not orphans:
                 break
             # Reap what we killed (and the zombies); new orphans may have arrived: loop.
-            self._reap_orphans_blocking(orphans)
+            for orphan in self._reap_orphans(orphans, deadline):
+                self.lingering[orphan.pid] = set(self.pending_gone)
         gone, self.pending_gone = self.pending_gone, []
         for wid in gone:
-            if self.barrier(wid):
+            if self.barrier(wid) and not self._lingers(wid):
                 self.send(ev="gone", wid=wid)
             else:  # never report a tree gone that is not: retry from the main loop
                 self.stuck.add(wid)
-                self.send(ev="stuck", wid=wid)
+                self.send(ev="stuck", wid=wid, pids=self._lingering_of(wid))
+
+    def _lingers(self, wid: int) -> bool:
+        return any(wid in wids for wids in self.lingering.values())
+
+    def _lingering_of(self, wid: int) -> list[int]:
+        return sorted(pid for pid, wids in self.lingering.items() if wid in wids)
 
     def retry_stuck(self) -> None:
         for wid in list(self.stuck):
-            if self.barrier(wid):
+            if not self._lingers(wid) and self.barrier(wid, wait=False):
                 self.stuck.discard(wid)
                 self.send(ev="gone", wid=wid)
 
-    def barrier(self, wid: int) -> bool:
+    def barrier(self, wid: int, *, wait: bool = True) -> bool:
         """The worker is reaped and no orphan is left: empty its cgroup, remove its dirs.
 
-        Returns False if the cgroup still holds a process after a bounded wait.
+        Returns False if the cgroup still holds a process after a bounded wait (none with
+        ``wait=False``: a retry from the main loop must not hold it up).
         """
         kill_dir = self.kill_dirs.get(wid)
         if kill_dir is not None:
-            for _ in range(10):
+            for _ in range(10 if wait else 1):
                 if not cgroups.populated(kill_dir):
                     break
                 # Something of the tree is still in the cgroup (not a descendant any more?).
                 cgroups.cgroup_kill(kill_dir)
-                cgroups.wait_empty(kill_dir, 0.2)
+                if wait:
+                    cgroups.wait_empty(kill_dir, 0.2)
             if cgroups.populated(kill_dir):
                 return False
             self.kill_dirs.pop(wid, None)
@@ -419,16 +467,28 @@ class Reaper:
                 error=None if removal.finished else removal.summary(),
             )
 
-    def _reap_orphans_blocking(self, orphans: list[psutil.Process]) -> None:
+    def _reap_orphans(self, orphans: list[psutil.Process], deadline: float) -> list[psutil.Process]:
+        """Reap the (killed) orphans, waiting until ``deadline`` at most; return those still
+        alive then."""
+        left = []
         for orphan in orphans:
-            try:
-                pid, status = os.waitpid(orphan.pid, 0)
-            except ChildProcessError:
-                continue
-            wid = self.workers.pop(pid, None)
-            if wid is not None:  # cannot happen (workers are not orphans); keep it truthful
-                self.send(ev="exited", wid=wid, pid=pid, status=os.waitstatus_to_exitcode(status))
-                self.pending_gone.append(wid)
+            while True:
+                try:
+                    pid, status = os.waitpid(orphan.pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid:
+                    wid = self.workers.pop(pid, None)
+                    if wid is not None:  # cannot happen (workers are not orphans): be truthful
+                        code = os.waitstatus_to_exitcode(status)
+                        self.send(ev="exited", wid=wid, pid=pid, status=code)
+                        self.pending_gone.append(wid)
+                    break
+                if time.monotonic() >= deadline:
+                    left.append(orphan)
+                    break
+                time.sleep(0.0005)  # a killed process is gone within moments (or never)
+        return left
 
     # ---- main loop
 
@@ -483,26 +543,32 @@ class Reaper:
     def shutdown(self) -> None:
         for pid, worker_id in list(self.workers.items()):
             kill_tree(pid, self.kill_dirs.get(worker_id))
-        deadline_rounds = 0
-        while self.workers and deadline_rounds < 1000:
+        # Bounded: a worker in uninterruptible sleep never dies of its SIGKILL. It is named
+        # in 'bye' (and re-parented to init once this process exits).
+        deadline = time.monotonic() + self.exit_kill_wait
+        while self.workers and time.monotonic() < deadline:
             try:
-                pid, status = os.waitpid(-1, 0)
+                pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
+            if pid == 0:
+                time.sleep(0.002)
+                continue
+            self.lingering.pop(pid, None)
             wid = self.workers.pop(pid, None)
             if wid is not None:
                 self.send(ev="exited", wid=wid, pid=pid, status=os.waitstatus_to_exitcode(status))
                 self.pending_gone.append(wid)
-            deadline_rounds += 1
         self.kill_orphans()
+        self.unkillable = self._alive_left()
         # If the supervisor died, nobody else will remove the pool's directories.
-        trees = []
+        dirs = []
         for path in reversed(self.owned):
             if os.path.exists(os.path.join(path, "cgroup.procs")):
                 cgroups.remove(path)
             else:
-                trees.append(path)
-        self.finish_removals(trees)
+                dirs.append(path)
+        self.finish_removals(dirs)
 
     def finish_removals(self, trees: list[str]) -> None:
         """At exit: remove ``trees`` and what is still being removed, for at most
@@ -516,73 +582,41 @@ class Reaper:
             self.removals.append((None, remove.Removal(path)))
         self.work_removals(self.exit_budget)
         left = [removal.path for _, removal in self.removals]
-        news = {"unfinished": left} if left else {}  # (a plain bye: nothing is left)
+        news: dict[str, Any] = {"unfinished": left} if left else {}  # (plain: nothing left)
         if self.failed:
             news["failed"] = self.failed
+        if self.unkillable:
+            news["unkillable"] = self.unkillable
         self.send(ev="bye", **news)
         while self.removals:  # nobody waits for us now: no slices, no budget
             _wid, removal = self.removals.popleft()
             removal.step(None)
 
+    def _alive_left(self) -> list[int]:
+        """The pool's processes still alive after every kill: workers not reaped, their
+        descendants, lingering orphans (none dies of its SIGKILL: uninterruptible sleep)."""
+        alive: set[int] = set()
+        for pid in [*self.workers, *self.lingering]:
+            procs = [pid, *(p.pid for p in trees.descendants(pid))]
+            for each in procs:
+                try:
+                    if not trees.is_zombie(psutil.Process(each)):
+                        alive.add(each)
+                except psutil.Error:
+                    continue
+        return sorted(alive)
+
     subreaper = False
-
-
-def _children(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children()
-    except psutil.Error:
-        return []
-
-
-def _descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
-
-
-def _is_zombie(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return True
-
-
-def _signal(proc: psutil.Process, sig: int) -> None:
-    try:
-        proc.send_signal(sig)  # psutil checks the pid still names the same process
-    except psutil.Error:
-        pass
-
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
+    unkillable: list[int] = []  # noqa: RUF012 (replaced, never changed in place)
 
 
 def kill_tree(pid: int, kill_dir: str | None = None) -> int:
-    """Kill ``pid`` and everything below it.
-
-    With a v2 cgroup, ``cgroup.kill`` first kills the whole tree atomically, daemons included.
-    Then, and without a cgroup: freeze ``pid``, SIGKILL its descendants until none is left
-    alive (it is a subreaper, so escaped daemons stay below it), then SIGKILL it. ``pid`` must
-    be a child of this process (so its pid cannot be reused before we reap it). Returns how
-    many rounds the descendant loop took.
-    """
+    """Kill ``pid`` and everything below it (``_trees.kill_below``), with a v2 cgroup
+    (``kill_dir``) first through ``cgroup.kill``, which kills the whole tree atomically,
+    daemons included. Returns how many rounds the descendant loop took."""
     if kill_dir is not None:
         cgroups.cgroup_kill(kill_dir)
-    _kill(pid, signal.SIGSTOP)
-    rounds = 0
-    while rounds < 10_000:
-        alive = [p for p in _descendants(pid) if not _is_zombie(p)]
-        if not alive:
-            break
-        for proc in alive:
-            _signal(proc, signal.SIGKILL)
-        rounds += 1
-    _kill(pid, signal.SIGKILL)
+    rounds: int = trees.kill_below(pid)
     return rounds
 
 

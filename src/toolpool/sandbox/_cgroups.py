@@ -153,12 +153,16 @@ class CgroupSet:
             _write(os.path.join(dirs["pids"], "pids.max"), str(max_processes))
         return WorkerCgroups(dirs)
 
-    def remove(self) -> None:
+    def remove(self) -> list[str]:
         """Remove the pool's directories, workers' ones left behind included (when the
-        reaper, which removes those, died first). They must be empty of processes."""
+        reaper, which removes those, died first). They must be empty of processes: return
+        those that could not be removed (a process that did not die still holds them)."""
+        left = []
         for base in set(self.base.values()):
             for path, _dirs, _files in os.walk(base, topdown=False):
-                remove(path)
+                if not remove(path):
+                    left.append(path)
+        return left
 
 
 @dataclass

@@ -15,13 +15,23 @@ from ._events import (
     WorkerStarted,
 )
 from ._pool import Pool
-from ._results import ContainmentReport, Layer, Result, Rung, Statistics, Timeline, WorkerState
+from ._results import (
+    ContainmentReport,
+    Histogram,
+    Layer,
+    Result,
+    Rung,
+    Statistics,
+    Timeline,
+    WorkerState,
+)
 from ._sync import SyncCall, SyncPool
 
 __all__ = (
     "Call",
     "ContainmentReport",
     "Group",
+    "Histogram",
     "Layer",
     "Pool",
     "PoolEvent",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 
 import anyio
 
-from ..core import CancelCause, cancel_with_runtime_cause, validate_cause
+from ..core import CancelCause, PoolClosedError, cancel_with_runtime_cause, validate_cause
 from ._records import CallRecord, GroupRecord
 from ._results import Result
 
@@ -31,7 +31,7 @@ class Call(CallRecord):
     Created by :meth:`Pool.submit` and :meth:`Group.submit` only.
     """
 
-    __slots__ = ("_event", "_pool", "_started_event")
+    __slots__ = ("_abandoned", "_event", "_pool", "_started_event")
 
     def __init__(
         self,
@@ -46,6 +46,7 @@ class Call(CallRecord):
         self._pool = pool
         self._event: anyio.Event | None = None
         self._started_event: anyio.Event | None = None
+        self._abandoned: str | None = None  # the pool closed without settling it: why
 
     def cancel(self, cause: object = None, *, force: bool = False) -> None:
         """Cancel the call. ``cause`` is None (``{"kind": "user"}``) or ``{"kind": "parent"}``.
@@ -73,12 +74,16 @@ class Call(CallRecord):
 
         If the waiting task is cancelled the call is not: cancel it explicitly, or use
         :meth:`Pool.call`, which does so with cause ``parent``.
+
+        Raises :class:`toolpool.PoolClosedError` if the pool closed without settling it:
+        its worker's tree did not die of SIGKILL (``CloseReport.unsettled``).
         """
-        if self._result is None:
+        if self._result is None and self._abandoned is None:
             if self._event is None:
                 self._event = anyio.Event()
             await self._event.wait()
-        assert self._result is not None
+        if self._result is None:
+            raise PoolClosedError(self._abandoned or "the pool closed without settling it")
         return self._result
 
     async def wait_started(self) -> bool:
@@ -100,6 +105,14 @@ class Call(CallRecord):
     def started(self) -> bool:
         """True once the worker reported that the body was invoked (see :meth:`wait_started`)."""
         return self._started
+
+    def _abandon(self, why: str) -> None:
+        """The pool closes without settling this call (its tree lives): wake its waiters."""
+        self._abandoned = why
+        if self._event is not None:
+            self._event.set()
+        if self._started_event is not None:
+            self._started_event.set()
 
     def _wake_started(self) -> None:
         if self._started_event is not None:

@@ -44,6 +44,7 @@ from ._records import (
     Spawn,
     Started,
     Terminate,
+    Unkillable,
     WorkerDown,
     WorkerUp,
 )
@@ -66,7 +67,16 @@ if TYPE_CHECKING:
     from ._calls import Call
 
 _log = logging.getLogger("toolpool.supervisor")
-_PROVIDER_ACTIONS: Final = (ProviderUp, ProviderDown, ProviderResized, WorkerUp, WorkerDown)
+#: What the listeners hear of (``_hosting.py``). An unkillable worker is out of service: the
+#: pool reaps it in the background (``docs/pool.md``, "Unkillable workers").
+_PROVIDER_ACTIONS: Final = (
+    ProviderUp,
+    ProviderDown,
+    ProviderResized,
+    WorkerUp,
+    WorkerDown,
+    Unkillable,
+)
 
 
 class Channels:

@@ -23,7 +23,7 @@ from typing import Any, Final
 from ..core import CancelCause
 from ..protocol import ProtocolViolation
 from ._providers import Providers
-from ._records import Action, CallRecord, CallState, GroupRecord, Kill, WorkerRecord
+from ._records import Action, CallRecord, CallState, GroupRecord, WorkerRecord
 from ._results import WorkerState
 
 __all__ = ("PoolCore",)
@@ -79,10 +79,24 @@ class PoolCore(Providers):
         self.now = now
         for w in list(self.workers.values()):
             if not w.gone and not w.orphaned:
-                self._act(Kill(w.wid))
+                self._kill_tree(w)
 
     def all_gone(self) -> bool:
         return not self.workers
+
+    def all_gone_or_unkillable(self) -> bool:
+        """Every worker is gone, or unkillable (the close waits no longer for those)."""
+        return all(w.state is WorkerState.UNKILLABLE for w in self.workers.values())
+
+    def idle_or_stuck(self) -> bool:
+        """Every call has settled, or is held by an unkillable worker (whose calls settle
+        only once its tree is gone: the close waits no longer for those)."""
+        held = sum(len(w.calls) for w in self.unkillable())
+        return len(self.calls) == held
+
+    def unkillable(self) -> list[WorkerRecord]:
+        """The unkillable workers (not gone yet)."""
+        return [w for w in self.workers.values() if w.state is WorkerState.UNKILLABLE]
 
     # ------------------------------------------------------------------ calls
 
@@ -234,6 +248,8 @@ class PoolCore(Providers):
                 self.drain_due(key)
             elif kind == "scale":
                 self.scale_due(key)
+            elif kind == "unkillable":
+                self._kill_overdue(key)
 
     def due(self) -> bool:
         """Whether ``flush`` has anything to do or return."""

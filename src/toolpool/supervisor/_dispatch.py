@@ -179,7 +179,12 @@ class Dispatch(Settlement):
         self._enqueue(call, front=True)
 
     def _serving(self, p: ProviderRecord) -> int:
-        return sum(1 for w in self.workers.values() if w.calls and w.provider is p)
+        # (an unkillable worker's call holds no slot: its replacement serves in its place)
+        return sum(
+            1
+            for w in self.workers.values()
+            if w.calls and w.provider is p and w.state is not WorkerState.UNKILLABLE
+        )
 
     def _behind(self, w: WorkerRecord, call: CallRecord) -> list[CallRecord]:
         """The calls sent to w after call, still in w."""

@@ -181,7 +181,8 @@ class Escalation(Dispatch):
     def _terminate(self, w: WorkerRecord, call: CallRecord) -> None:
         """SIGTERM w's tree, escalating ``call``."""
         w.escalated = True
-        w.state = WorkerState.QUARANTINED
+        if w.state is not WorkerState.UNKILLABLE:
+            w.state = WorkerState.QUARANTINED
         self._signalled(w, call, Rung.SIGTERM)
         _log.info(
             "worker %s (pid %s): SIGTERM to its tree for call %s (%s)",
@@ -242,8 +243,17 @@ class Escalation(Dispatch):
             )
         if w in w.provider.ready:
             w.provider.ready.remove(w)
-        w.state = WorkerState.QUARANTINED
+        if w.state is not WorkerState.UNKILLABLE:
+            w.state = WorkerState.QUARANTINED
         if not w.gone and not w.orphaned:
-            self._act(Kill(w.wid))
+            self._kill_tree(w)
             if violation is not None:
                 self._signalled(w, None, Rung.SIGKILL)
+
+    def _kill_tree(self, w: WorkerRecord) -> None:
+        """Ask the reaper to SIGKILL w's tree; the first time, start the clock after which a
+        tree still there is unkillable (``_kill_overdue``)."""
+        self._act(Kill(w.wid))
+        if w.killed_at is None:
+            w.killed_at = self.now
+            self._arm(self.now + self.config.unkillable_after, "unkillable", w.wid)

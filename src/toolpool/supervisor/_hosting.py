@@ -39,6 +39,7 @@ from ._records import (
     ProviderRecord,
     ProviderSpec,
     ProviderUp,
+    Unkillable,
     WorkerDown,
     WorkerUp,
 )
@@ -427,10 +428,14 @@ class Hosting:
     # ------------------------------------------------------------------ the core's actions
 
     def _on_provider_action(
-        self, action: ProviderUp | ProviderDown | ResizedAction | WorkerUp | WorkerDown
+        self, action: ProviderUp | ProviderDown | ResizedAction | WorkerUp | WorkerDown | Unkillable
     ) -> None:
         listeners = self._listeners
-        if isinstance(action, ResizedAction):
+        if isinstance(action, Unkillable):
+            w = self._core.workers.get(action.wid)
+            if w is not None:  # out of service now (its end, much later, is not told again)
+                listeners.emit(WorkerExited(w.pid, w.provider.name, "unkillable"))
+        elif isinstance(action, ResizedAction):
             options = self._options.get(action.provider.name)
             if options is not None:
                 options.workers = action.new

@@ -34,6 +34,7 @@ from ._records import (
     RestartReaper,
     Spawn,
     Started,
+    Unkillable,
     WorkerDown,
     WorkerRecord,
     WorkerUp,
@@ -90,7 +91,8 @@ class Lifecycle(Escalation):
             if w.provider is p
             and not w.gone
             and not w.draining
-            and w.state not in (WorkerState.RETIRING, WorkerState.QUARANTINED)
+            and w.state
+            not in (WorkerState.RETIRING, WorkerState.QUARANTINED, WorkerState.UNKILLABLE)
         )
 
     def _top_up(self, p: ProviderRecord) -> list[WorkerRecord]:
@@ -349,8 +351,11 @@ class Lifecycle(Escalation):
         was_serving = w.state in (WorkerState.READY, WorkerState.BUSY, WorkerState.QUARANTINED)
         was_serving = was_serving and w.answered and not w.start_failed
         retired = w.state is WorkerState.RETIRING
+        unkillable = w.state is WorkerState.UNKILLABLE
         w.gone = True
         p = w.provider
+        if w.killed_at is not None and not w.orphaned:
+            self.kill_to_reaped.observe(self.now - w.killed_at)
         if w in p.ready:
             p.ready.remove(w)
         pending, w.pending = w.pending, None
@@ -363,18 +368,70 @@ class Lifecycle(Escalation):
         w.state = WorkerState.EXITED
         del self.workers[w.wid]
         self._act(Close(w.wid))
-        self._act(WorkerDown(w.wid, w.pid, p.name, self._exit_kind(w, retired)))
+        if not unkillable:  # (an unkillable one was announced when it went out of service)
+            self._act(WorkerDown(w.wid, w.pid, p.name, self._exit_kind(w, retired)))
         self._act(Changed())
-        self._log_gone(w, retired=retired, held=held)
+        if unkillable:
+            _log.warning(
+                "unkillable worker %s (pid %s): its tree is gone at last, %.1f s after SIGKILL",
+                w.wid,
+                w.pid,
+                self.now - (w.killed_at or self.now),
+                extra={"worker_pid": w.pid, "pids": list(w.unkillable_pids)},
+            )
+        else:
+            self._log_gone(w, retired=retired, held=held)
         if p.state in ("draining", "failed") and not any(
             x.provider is p for x in self.workers.values()
         ):
             self._provider_gone(p)
-        if not w.awaiting_fatal:  # else: decided once the start failure is known
-            self._maybe_replace(w, counts=was_serving)
+        if not w.awaiting_fatal and not w.replaced:  # else: decided once the start failure
+            self._maybe_replace(w, counts=was_serving)  # is known; or replaced already
         if not self.reaper_up:
             self._restart_reaper_when_clear()
         self._dispatch()  # a warm spare (or any idle worker) takes what is queued
+
+    def _kill_overdue(self, wid: int) -> None:
+        """``unkillable_after`` seconds since w's tree was first asked SIGKILLed: if it is
+        not gone, a process of it does not die (uninterruptible sleep: a hung NFS or FUSE
+        mount, a frozen cgroup v1, a device driver). w is unkillable: out of service,
+        reported, replaced now. Its calls are not settled (C4.3: never while its tree is
+        known alive), nor the calls behind its first run elsewhere (a reaper that could not
+        deliver the SIGKILL would leave w running them): both wait for its tree's end, which
+        the reaper goes on waiting for."""
+        w = self.workers.get(wid)
+        if w is None or w.gone or w.orphaned or w.state is WorkerState.UNKILLABLE:
+            return  # (orphaned: the shell ends the tree itself, bounded there)
+        was_serving = w.state in (WorkerState.READY, WorkerState.BUSY, WorkerState.QUARANTINED)
+        was_serving = was_serving and w.answered and not w.start_failed
+        if w in w.provider.ready:
+            w.provider.ready.remove(w)
+        w.state = WorkerState.UNKILLABLE
+        w.unkillable_pids = tuple(self.probe.tree_pids(wid, w.pid))
+        self.unkillable_count += 1
+        call = w.call
+        _log.error(
+            "worker %s (pid %s) is unkillable: its tree is still there %g s after SIGKILL "
+            "(processes %s; uninterruptible sleep?). %s; it is replaced, and reaped whenever "
+            "its processes die",
+            w.wid,
+            w.pid,
+            self.config.unkillable_after,
+            ", ".join(map(str, w.unkillable_pids)) or "unknown",
+            f"Its call {call.id} ({call.tool}) stays unsettled until then"
+            if call is not None
+            else "It held no call",
+            extra={
+                "worker_pid": w.pid,
+                "pids": list(w.unkillable_pids),
+                "call_id": call.id if call is not None else None,
+            },
+        )
+        self._act(Unkillable(wid, w.unkillable_pids))
+        self._act(Changed())
+        if not w.awaiting_fatal:
+            w.replaced = True
+            self._maybe_replace(w, counts=was_serving)
 
     def _log_gone(self, w: WorkerRecord, *, retired: bool, held: bool) -> None:
         why = (
@@ -451,7 +508,7 @@ class Lifecycle(Escalation):
             w.lost_reason = REAPER_DIED
             if w in w.provider.ready:
                 w.provider.ready.remove(w)
-            if w.state is not WorkerState.RETIRING:
+            if w.state not in (WorkerState.RETIRING, WorkerState.UNKILLABLE):
                 w.state = WorkerState.QUARANTINED  # no call is sent to it any more
             self._act(Orphaned(w.wid))
         self._act(Changed())

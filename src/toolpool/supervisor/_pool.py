@@ -54,6 +54,7 @@ from ._hosting import (
     provider_options,
 )
 from ._lifecycle import EXIT_TOOLS_FAILED
+from ._observe import abandon_unsettled, close_report, snapshot, wait_settled_or_stuck
 from ._records import (
     KILLED_TEXT,
     TIMEOUT_TEXT,
@@ -119,6 +120,7 @@ class Pool(Channels, Hosting):
         start_method: StartMethod = "fork",
         prefetch: int | None = None,
         drain_grace: float = 30.0,
+        unkillable_after: float = 10.0,
     ) -> None:
         """
         :param tools: ``"module:attribute"`` naming the Registry of the ``"default"``
@@ -158,6 +160,12 @@ class Pool(Channels, Hosting):
             in the worker (``docs/pool.md``).
         :param drain_grace: seconds the running calls of a removed (or reloaded) provider
             have to finish before they get a cooperative cancel with cause ``disposed``.
+        :param unkillable_after: seconds after the SIGKILL of a worker's tree after which a
+            process of it still there makes the worker ``unkillable`` (uninterruptible
+            sleep): it is logged and counted (``statistics()``), replaced at once, and
+            reaped whenever it dies; its call settles only then. ``aclose()`` waits no
+            longer for it and names it in its report (``docs/pool.md``, "Unkillable
+            workers"). A SIGKILLed tree is normally gone within milliseconds.
         """
         check_count("max_start_failures", max_start_failures, minimum=1)
         for name, value in (
@@ -165,6 +173,7 @@ class Pool(Channels, Hosting):
             ("term_grace", term_grace),
             ("start_timeout", start_timeout),
             ("drain_grace", drain_grace),
+            ("unkillable_after", unkillable_after),
         ):
             check_seconds(name, value)
         if worker_output not in ("discard", "inherit"):
@@ -205,6 +214,9 @@ class Pool(Channels, Hosting):
         self.term_grace = float(term_grace)
         self.start_timeout = float(start_timeout)
         self.drain_grace = float(drain_grace)
+        if unkillable_after <= 0:
+            raise ValueError("unkillable_after must be a positive number of seconds")
+        self.unkillable_after = float(unkillable_after)
         self.max_frame = max_frame
         self.max_start_failures = max_start_failures
         self.worker_output: WorkerOutput = worker_output
@@ -231,6 +243,7 @@ class Pool(Channels, Hosting):
                 allow_background=self.allow_background,
                 memory_cap=profile.memory,
                 drain_grace=self.drain_grace,
+                unkillable_after=self.unkillable_after,
             ),
             self._files,  # the probe: the ledger and cgroup files it holds open
             lambda: secrets.token_hex(32).encode(),
@@ -325,6 +338,14 @@ class Pool(Channels, Hosting):
         it spawned, is gone. Idempotent. Returns what is left on disk: a
         :class:`toolpool.CloseReport` (a huge scratch tree is removed in the background).
 
+        The one exception: a process that does not die of SIGKILL (uninterruptible sleep).
+        Once its worker is ``unkillable`` (``unkillable_after`` seconds after the SIGKILL)
+        the close waits no longer for it: the report names such processes
+        (``CloseReport.unkillable``) and the calls they keep from settling
+        (``CloseReport.unsettled``), and awaiting one of those raises
+        :class:`toolpool.PoolClosedError`. The close then takes at most about
+        ``cancel_grace + term_grace + unkillable_after`` seconds more than its calls do.
+
         Call it from the task and the cancel-scope nesting that called :meth:`start` (not,
         say, inside a ``fail_after`` entered after ``start()``): the pool's anyio task group
         must be left in order. Otherwise anyio raises RuntimeError, after every call has
@@ -349,7 +370,7 @@ class Pool(Channels, Hosting):
                 cancel_with_runtime_cause(group._controller, _DISPOSED)
             core.close(time.monotonic())
             self._pump()
-            await self.wait_idle()
+            await wait_settled_or_stuck(self._core, self._wait_changed)
             await self._teardown()
         await self._exit_task_group()
         return self._close_report
@@ -394,6 +415,7 @@ class Pool(Channels, Hosting):
         self._pump()
         with anyio.move_on_after(KILL_WAIT):
             await self._wait_all_gone()
+        unkillable, unsettled = abandon_unsettled(self._core, self._files)
         if self._reaper is not None:
             self._reaper_closing = True  # its end is no loss now
             await self._reaper.aclose()
@@ -404,16 +426,19 @@ class Pool(Channels, Hosting):
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
+        cgroups_left: list[str] = []
         for options in self._options.values():
             if options.cgroups is not None:
-                options.cgroups.remove()
+                cgroups_left += options.cgroups.remove()
                 options.cgroups = None
         if self._dir is not None:
             self._close_report = await finish_cleanup(self._dir, self._reaper)
             self._dir = None
+        self._close_report = close_report(self._close_report, unkillable, unsettled, cgroups_left)
 
     async def _wait_all_gone(self) -> None:
-        while not self._core.all_gone():
+        """Until every worker is gone, or unkillable (which may never go)."""
+        while not self._core.all_gone_or_unkillable():
             await self._wait_changed()
 
     async def _wait_changed(self) -> None:
@@ -490,7 +515,8 @@ class Pool(Channels, Hosting):
         )
 
     async def wait_idle(self) -> None:
-        """Wait until no call is queued or running."""
+        """Wait until no call is queued or running (a call held by an ``unkillable`` worker
+        runs until its tree is gone)."""
         calls = self._core.calls
         while calls:
             call = next(iter(calls.values()))
@@ -499,18 +525,7 @@ class Pool(Channels, Hosting):
 
     def statistics(self) -> Statistics:
         """A frozen snapshot of the pool."""
-        core = self._core
-        running = core.in_flight()
-        return Statistics(
-            workers=MappingProxyType(dict(core.states())),
-            queued=len(core.calls) - running,
-            in_flight=running,
-            settled=MappingProxyType(dict(core.settled_counts)),
-            escalations=MappingProxyType(dict(core.escalation_counts)),
-            workers_started=core.started_count,
-            workers_replaced=core.replaced,
-            submitted=core.submitted,
-        )
+        return snapshot(self._core, self._files, time.monotonic())
 
     def containment(self, provider: str = "default") -> ContainmentReport:
         """What protects a provider's workers (by default, the ``"default"`` provider's),

@@ -44,6 +44,7 @@ __all__ = (
     "Started",
     "Terminate",
     "WorkerDown",
+    "Unkillable",
     "WorkerRecord",
     "WorkerUp",
 )
@@ -220,6 +221,7 @@ class WorkerRecord:
         "gone_deferred",
         "head_since",
         "holding",
+        "killed_at",
         "lost_reason",
         "oom_kills",
         "orphaned",
@@ -227,6 +229,7 @@ class WorkerRecord:
         "pending",
         "pid",
         "provider",
+        "replaced",
         "results",
         "retired",
         "secret",
@@ -234,6 +237,7 @@ class WorkerRecord:
         "start_failed",
         "start_method",
         "state",
+        "unkillable_pids",
         "verified",
         "violated",
         "violation",
@@ -274,6 +278,9 @@ class WorkerRecord:
         self.peer_pid: int | None = None  # who sent its first message (SO_PEERCRED)
         self.oom_kills = 0  # OOM kills in its memory cgroup, as the reaper read them at exit
         self.pending: Callable[..., None] | None = None  # settles its call once cleaned up
+        self.killed_at: float | None = None  # when its tree was first asked SIGKILLed
+        self.unkillable_pids: tuple[int, ...] = ()  # its tree's, when found unkillable
+        self.replaced = False  # a replacement was started before it was gone (unkillable)
 
     @property
     def call(self) -> CallRecord | None:
@@ -329,6 +336,15 @@ class Close(NamedTuple):
     """Worker ``wid`` is gone: close its socket and files."""
 
     wid: int
+
+
+class Unkillable(NamedTuple):
+    """Worker ``wid``'s tree is still there ``unkillable_after`` seconds after its SIGKILL
+    (``pids``: its processes then): report it (the core has logged it, taken the worker out
+    of service and started its replacement; the reaper goes on reaping it)."""
+
+    wid: int
+    pids: tuple[int, ...]
 
 
 class Orphaned(NamedTuple):
@@ -417,6 +433,7 @@ Action = (
     | Clean
     | Close
     | Orphaned
+    | Unkillable
     | RestartReaper
     | Settled
     | Started

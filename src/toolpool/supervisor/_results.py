@@ -15,6 +15,7 @@ __all__ = (
     "CallableDict",
     "CallableList",
     "ContainmentReport",
+    "Histogram",
     "Layer",
     "Result",
     "Rung",
@@ -49,6 +50,10 @@ class WorkerState(enum.StrEnum):
     """Told to exit when idle (the pool is closing)."""
     QUARANTINED = "quarantined"
     """Escalation or a protocol violation: it never gets another call."""
+    UNKILLABLE = "unkillable"
+    """Its tree was SIGKILLed but a process of it is still there after
+    ``Pool(unkillable_after=...)`` seconds (uninterruptible sleep): out of service and
+    replaced; its call settles only once every process of its tree is gone."""
     EXITED = "exited"
 
 
@@ -151,6 +156,33 @@ class Result:
 
 
 @final
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """Observations counted in buckets (a snapshot): ``counts[i]`` observations were at most
+    ``bounds[i]`` and above the bound before it; the last count is of those above every
+    bound. ``sum`` is the sum of every observation (seconds, for the pool's histograms)."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+
+    @property
+    def count(self) -> int:
+        """How many observations."""
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations at most that), the last bound ``inf`` (Prometheus's
+        ``le`` buckets)."""
+        out: list[tuple[float, int]] = []
+        total = 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+@final
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Statistics:
     """A frozen snapshot of a pool."""
@@ -169,6 +201,23 @@ class Statistics:
     workers_started: int
     workers_replaced: int
     submitted: int
+    settled_by_tool: Mapping[str, Mapping[str, int]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    """Settled calls by tool, then by outcome."""
+    oldest_queued_wait: float | None = None
+    """Seconds the oldest call in the pool's queue (not yet sent to a worker) has waited;
+    None when that queue is empty."""
+    unkillable: tuple[int, ...] = ()
+    """Pids of the processes still alive in the trees of ``unkillable`` workers (see
+    :attr:`WorkerState.UNKILLABLE`), as they are now."""
+    workers_unkillable: int = 0
+    """Workers ever found unkillable (each was replaced)."""
+    settle_latency: Histogram | None = None
+    """Seconds from submission to settlement of every settled call."""
+    kill_to_reaped: Histogram | None = None
+    """Seconds from the SIGKILL of a worker's tree to the report that every process of it
+    is gone."""
 
 
 @final

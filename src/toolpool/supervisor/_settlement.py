@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import signal
+from bisect import bisect_left
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Final
@@ -102,7 +103,13 @@ class Settlement(CoreState):
         if call._queued:
             self._forget_queued(call)
         call._state = CallState.SETTLED
-        self.settled_counts[outcome.value] += 1
+        kind = outcome.value
+        self.settled_counts[kind] += 1
+        self.settled_by_tool[call.tool, kind] += 1
+        latency = now - call._times["submitted"]  # (Buckets.observe, inline: the hot path)
+        buckets = self.settle_latency
+        buckets.counts[bisect_left(buckets.bounds, latency)] += 1
+        buckets.sum += latency
         if call._rung is not Rung.NONE:
             self.escalation_counts[call._rung.value] += 1
         del self.calls[call.id]

@@ -17,6 +17,7 @@ it holds open and a simulation implements over its model.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import heapq
 import itertools
@@ -27,8 +28,50 @@ from typing import Any, NamedTuple, Protocol
 
 from ..core import WorkerStartError
 from ._records import Action, CallRecord, ProviderRecord, ProviderSpec, WorkerRecord
+from ._results import Histogram
 
-__all__ = ("CoreConfig", "CoreState", "Probe", "Proc", "Wait")
+__all__ = (
+    "KILL_TO_REAPED_BOUNDS",
+    "SETTLE_LATENCY_BOUNDS",
+    "Buckets",
+    "CoreConfig",
+    "CoreState",
+    "Probe",
+    "Proc",
+    "Wait",
+)
+
+#: The upper bounds (seconds) of the settle-latency histogram's buckets: from a no-op call's
+#: 50 us to a long tool's 10 minutes.
+SETTLE_LATENCY_BOUNDS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+#: The upper bounds (seconds) of the kill-to-reaped histogram's buckets (SIGKILL of a tree to
+#: the report that it is gone; past ``unkillable_after`` the worker is unkillable).
+KILL_TO_REAPED_BOUNDS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+
+class Buckets:
+    """Observations counted in buckets, for a histogram read when someone asks (a scrape):
+    one bisect and two additions each, no lock, no allocation."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # bisect_left: the first bound >= value, Prometheus's "le" (at most the bound).
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def snapshot(self) -> Histogram:
+        return Histogram(self.bounds, tuple(self.counts), self.sum)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,6 +93,7 @@ class CoreConfig:
     memory_cap: int | None = None  # the profile's, for the OOM text
     has_reaper_cleanup: bool = True  # the reaper kills leftovers (False: nobody can)
     drain_grace: float = 30.0  # a removed provider's running calls' time to finish
+    unkillable_after: float = 10.0  # seconds after SIGKILL: a tree still there is unkillable
 
     def default_spec(self) -> ProviderSpec | None:
         if not self.tools_spec:
@@ -81,6 +125,11 @@ class Probe(Protocol):
 
     def reset_peak(self, wid: int) -> None:
         """Start its tree's peak memory afresh."""
+
+    def tree_pids(self, wid: int, pid: int | None) -> tuple[int, ...]:
+        """The pids of the processes of its tree still alive (``pid``, the worker's, among
+        them if it is), as far as they can be found: its cgroup's members, else the
+        worker's descendants."""
 
 
 class Wait(NamedTuple):
@@ -137,6 +186,10 @@ class CoreState:
         self.submitted = 0
         self.started_count = 0
         self.replaced = 0
+        self.unkillable_count = 0
+        self.settled_by_tool: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.settle_latency = Buckets(SETTLE_LATENCY_BOUNDS)
+        self.kill_to_reaped = Buckets(KILL_TO_REAPED_BOUNDS)
 
         spec = config.default_spec()
         if spec is not None:

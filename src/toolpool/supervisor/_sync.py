@@ -173,9 +173,16 @@ class SyncPool:
         task_status.started(future)
         try:
             await call.wait()
+        except PoolClosedError as exc:  # the close left it unsettled: its tree did not die
+            self._fail(call.id, exc)
         finally:
             if call.done():  # (else the portal is closing: _deliver_all completes it)
                 self._deliver(call.id)
+
+    def _fail(self, call_id: int, exc: BaseException) -> None:
+        future = self._following.pop(call_id, None)
+        if future is not None and not future.done():
+            future.set_exception(exc)
 
     def _deliver(self, call_id: int) -> None:
         future = self._following.pop(call_id, None)
@@ -186,6 +193,8 @@ class SyncPool:
         for call_id, future in list(self._following.items()):
             if future._call.done():
                 self._deliver(call_id)
+            elif future._call._abandoned is not None:
+                self._fail(call_id, PoolClosedError(future._call._abandoned))
 
     def call(
         self, tool: str, args: Mapping[str, Any] | None = None, *, timeout: float | None = None

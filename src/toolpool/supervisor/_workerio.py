@@ -224,6 +224,23 @@ class WorkerFiles:
             return 0
         return others_listed(listed, pid)
 
+    def tree_pids(self, wid: int, pid: int | None) -> tuple[int, ...]:
+        """The live processes of the worker's tree: its cgroups' members, the worker and
+        its descendants (a rare path: an unkillable worker, a scrape)."""
+        import psutil
+
+        io = self.ios.get(wid)
+        found = cgroups.members(io.groups) if io is not None and io.groups else set()
+        if pid is not None:
+            try:
+                proc = psutil.Process(pid)  # the reaper's child, not reaped: not reused
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found.add(pid)
+                found.update(c.pid for c in proc.children(recursive=True))
+            except psutil.Error:
+                pass
+        return tuple(sorted(found))
+
     def peak(self, wid: int) -> int | None:
         io = self.ios.get(wid)
         if io is None or io.peak_fd is None:
