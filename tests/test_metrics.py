@@ -194,3 +194,40 @@ def test_bad_labels_and_namespaces_are_refused() -> None:
         toolpool.metrics.PoolCollector(pool, labels={"pool": 1})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="namespace"):
         toolpool.metrics.PoolCollector(pool, namespace="a-b")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_each_provider_is_its_own_series_and_a_removed_ones_counters_stay() -> None:
+    registry = CollectorRegistry()
+    async with toolpool.Pool(cancel_grace=0.5, term_grace=0.5) as pool:
+        toolpool.metrics.register(pool, registry, labels=LABELS)
+        await pool.add_provider("alpha", "provider_tools:alpha", workers=2)
+        await pool.add_provider("beta", "provider_tools:beta", workers=1)
+        for i in range(3):
+            assert (await pool.call("a_echo", {"value": i})).ok
+        assert (await pool.call("b_echo", {"value": 1})).ok
+        m = scrape(registry)
+        settled = m["toolpool_calls_settled_total"]
+        key = (("outcome", "ok"), ("provider", "alpha"), ("tool", "a_echo"))
+        assert settled[key] == 3
+        assert settled[(("outcome", "ok"), ("provider", "beta"), ("tool", "b_echo"))] == 1
+        assert not any(dict(k).get("provider") == "default" for k in settled)
+        workers = m["toolpool_workers"]
+        assert workers[(("provider", "alpha"), ("state", "ready"))] == 2
+        assert workers[(("provider", "beta"), ("state", "ready"))] == 1
+        assert m["toolpool_calls_submitted_total"][(("provider", "alpha"),)] == 3
+        assert pool.statistics("alpha").submitted == 3
+        assert pool.statistics().submitted == 4
+        await pool.remove_provider("beta")
+        m = scrape(registry)
+        # Its counters stay (a counter never goes back); it has no workers any more.
+        assert (
+            m["toolpool_calls_settled_total"][
+                (("outcome", "ok"), ("provider", "beta"), ("tool", "b_echo"))
+            ]
+            == 1
+        )
+        assert m["toolpool_workers"][(("provider", "beta"), ("state", "ready"))] == 0
+        with pytest.raises(LookupError):
+            pool.statistics("nope")

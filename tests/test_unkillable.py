@@ -176,8 +176,8 @@ async def test_close_returns_reporting_what_did_not_die(freezer: Freezer) -> Non
         freezer.freeze(idle_pid)  # frozen idle: the close's shutdown, then its kill
         procs = pool_processes(pool)
         reaper = pool.reaper_pid
-        assert pool._cgroups is not None
-        bases = sorted(set(pool._cgroups.base.values()))
+        assert pool._options["default"].cgroups is not None
+        bases = sorted(set(pool._options["default"].cgroups.base.values()))
     except BaseException:
         await pool.aclose()
         raise

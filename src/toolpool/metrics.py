@@ -49,8 +49,14 @@ _OWN_LABELS: Final = frozenset({"provider", "state", "tool", "outcome", "rung", 
 
 def provider_statistics(pool: Pool) -> Mapping[str, Statistics]:
     """The pool's statistics by provider name: the one place the collector learns what the
-    providers are. A pool has one provider, :data:`DEFAULT_PROVIDER`, for now."""
-    return {DEFAULT_PROVIDER: pool.statistics()}
+    providers are: those the pool has, and those it had (their counters stay, never going
+    back). Calls no provider took (a tool gone by the time they were queued) are under
+    ``""``, reported only when there are some."""
+    names = [name for name in pool._core.tallies if name]
+    out = {name: pool.statistics(name) for name in names}
+    if pool._core.tallies[""].submitted:
+        out[""] = pool.statistics("")
+    return out
 
 
 class PoolCollector(Collector):

@@ -103,7 +103,8 @@ class PoolCore(Providers):
     def submit(self, call: CallRecord, *, timeout: float | None, now: float) -> None:
         """A new call (checked and packed by the shell)."""
         self.now = now
-        self.submitted += 1
+        owner = call._owner = self.owner.get(call.tool)
+        (owner.tally if owner is not None else self.tallies[""]).submitted += 1
         self.calls[call.id] = call
         group = call._group
         if group is not None:

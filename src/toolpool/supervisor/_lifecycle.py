@@ -78,7 +78,7 @@ class Lifecycle(Escalation):
         wid = next(self._wids)
         w = WorkerRecord(wid, self._new_secret(), p)
         self.workers[wid] = w
-        self.started_count += 1
+        p.tally.started += 1
         self._arm(self.now + self.config.start_timeout, "hello", wid)
         self._act(Spawn(wid, w.secret, p.name))
         return w
@@ -355,7 +355,7 @@ class Lifecycle(Escalation):
         w.gone = True
         p = w.provider
         if w.killed_at is not None and not w.orphaned:
-            self.kill_to_reaped.observe(self.now - w.killed_at)
+            p.tally.kill_to_reaped.observe(self.now - w.killed_at)
         if w in p.ready:
             p.ready.remove(w)
         pending, w.pending = w.pending, None
@@ -408,7 +408,7 @@ class Lifecycle(Escalation):
             w.provider.ready.remove(w)
         w.state = WorkerState.UNKILLABLE
         w.unkillable_pids = tuple(self.probe.tree_pids(wid, w.pid))
-        self.unkillable_count += 1
+        w.provider.tally.unkillable += 1
         call = w.call
         _log.error(
             "worker %s (pid %s) is unkillable: its tree is still there %g s after SIGKILL "
@@ -465,7 +465,7 @@ class Lifecycle(Escalation):
         if self.closing or self.broken is not None or p.broken is not None or not p.live:
             return
         if counts:
-            self.replaced += 1
+            p.tally.replaced += 1
         if not self.reaper_up:
             return  # the new reaper starts a full complement
         if w.start_failed:

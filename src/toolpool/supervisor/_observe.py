@@ -14,7 +14,7 @@ import anyio
 from ..reaper import CloseReport
 from ._calls import Call
 from ._core import PoolCore
-from ._results import Statistics
+from ._results import Statistics, WorkerState
 from ._state import Probe
 
 __all__ = ("abandon_unsettled", "close_report", "snapshot", "wait_settled_or_stuck")
@@ -22,34 +22,47 @@ __all__ = ("abandon_unsettled", "close_report", "snapshot", "wait_settled_or_stu
 _log = logging.getLogger("toolpool.supervisor")
 
 
-def snapshot(core: PoolCore, probe: Probe, now: float) -> Statistics:
-    """A frozen snapshot of the pool (``Pool.statistics``): counters the core keeps, plus
-    what is read now (the oldest queued call, the processes of unkillable trees)."""
-    running = core.in_flight()
+def snapshot(core: PoolCore, probe: Probe, now: float, provider: str | None = None) -> Statistics:
+    """A frozen snapshot of the pool (``Pool.statistics``), or of one provider's part of it
+    (its workers, its calls: those of its tools, all its generations): counters the core
+    keeps, plus what is read now (the oldest queued call, the processes of unkillable
+    trees)."""
+    tally = core.tally(provider)
+    workers = [w for w in core.workers.values() if provider is None or w.provider.name == provider]
+    calls = [
+        c
+        for c in core.calls.values()
+        if provider is None or (c._owner is not None and c._owner.name == provider)
+    ]
+    states: dict[str, int] = {}
+    for w in workers:
+        states[w.state.value] = states.get(w.state.value, 0) + 1
+    running = sum(1 for w in workers if w.calls)
     by_tool: dict[str, dict[str, int]] = {}
-    for (tool, outcome), n in core.settled_by_tool.items():
+    for (tool, outcome), n in tally.by_tool.items():
         by_tool.setdefault(tool, {})[outcome] = n
-    oldest = min((c._times["submitted"] for c in core.queue if c._queued), default=None)
+    oldest = min((c._times["submitted"] for c in calls if c._queued), default=None)
     unkillable: set[int] = set()
-    for w in core.unkillable():
-        unkillable.update(probe.tree_pids(w.wid, w.pid))
+    for w in workers:
+        if w.state is WorkerState.UNKILLABLE:
+            unkillable.update(probe.tree_pids(w.wid, w.pid))
     return Statistics(
-        workers=MappingProxyType(dict(core.states())),
-        queued=len(core.calls) - running,
+        workers=MappingProxyType(states),
+        queued=len(calls) - running,
         in_flight=running,
-        settled=MappingProxyType(dict(core.settled_counts)),
-        escalations=MappingProxyType(dict(core.escalation_counts)),
-        workers_started=core.started_count,
-        workers_replaced=core.replaced,
-        submitted=core.submitted,
+        settled=MappingProxyType(dict(tally.settled)),
+        escalations=MappingProxyType(dict(tally.escalations)),
+        workers_started=tally.started,
+        workers_replaced=tally.replaced,
+        submitted=tally.submitted,
         settled_by_tool=MappingProxyType(
             {tool: MappingProxyType(counts) for tool, counts in by_tool.items()}
         ),
         oldest_queued_wait=None if oldest is None else max(0.0, now - oldest),
         unkillable=tuple(sorted(unkillable)),
-        workers_unkillable=core.unkillable_count,
-        settle_latency=core.settle_latency.snapshot(),
-        kill_to_reaped=core.kill_to_reaped.snapshot(),
+        workers_unkillable=tally.unkillable,
+        settle_latency=tally.settle_latency.snapshot(),
+        kill_to_reaped=tally.kill_to_reaped.snapshot(),
     )
 
 

@@ -523,9 +523,13 @@ class Pool(Channels, Hosting):
             assert isinstance(call, Call)
             await call.wait()
 
-    def statistics(self) -> Statistics:
-        """A frozen snapshot of the pool."""
-        return snapshot(self._core, self._files, time.monotonic())
+    def statistics(self, provider: str | None = None) -> Statistics:
+        """A frozen snapshot of the pool, or (``provider``) of one provider's part of it: its
+        workers, and the calls of its tools (counted under the provider that had the tool
+        when the call was submitted; kept after a removal, summed over its generations)."""
+        if provider is not None and provider not in self._core.tallies:
+            raise LookupError(f"no provider named {provider!r}")
+        return snapshot(self._core, self._files, time.monotonic(), provider)
 
     def containment(self, provider: str = "default") -> ContainmentReport:
         """What protects a provider's workers (by default, the ``"default"`` provider's),

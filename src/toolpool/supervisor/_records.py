@@ -77,6 +77,7 @@ class CallRecord:
         "_forced",
         "_group",
         "_laddering",
+        "_owner",
         "_provider",
         "_queued",
         "_recalling",
@@ -110,6 +111,7 @@ class CallRecord:
         self._laddering = False  # its escalation ladder runs
         self._queued = False  # it is in a provider's queue (settled ones may linger there)
         self._provider: ProviderRecord | None = None  # whose queue holds it, if queued
+        self._owner: ProviderRecord | None = None  # whose tool it called (its statistics)
         self._forced = False
         self._recalling = False  # a recall (or the worker's shutdown) may withdraw it
         self._requeued = False  # run elsewhere once, first in line in a worker that died
@@ -186,6 +188,7 @@ class ProviderRecord:
         self.error: Exception | None = None  # why it failed to start (a conflict, ...)
         self.starting = True  # a start failure now breaks it at once
         self.drain_by: float | None = None  # when its running calls get a cancel (draining)
+        self.tally: Any = None  # its statistics (_state.Tally), shared by its generations
         self.autoscale: Autoscale | None = None
         self.scale_armed = False  # its autoscaler's next look is in the timers
 

@@ -104,14 +104,16 @@ class Settlement(CoreState):
             self._forget_queued(call)
         call._state = CallState.SETTLED
         kind = outcome.value
-        self.settled_counts[kind] += 1
-        self.settled_by_tool[call.tool, kind] += 1
+        owner = call._owner
+        tally = owner.tally if owner is not None else self.tallies[""]
+        tally.settled[kind] += 1
+        tally.by_tool[call.tool, kind] += 1
         latency = now - call._times["submitted"]  # (Buckets.observe, inline: the hot path)
-        buckets = self.settle_latency
+        buckets = tally.settle_latency
         buckets.counts[bisect_left(buckets.bounds, latency)] += 1
         buckets.sum += latency
         if call._rung is not Rung.NONE:
-            self.escalation_counts[call._rung.value] += 1
+            tally.escalations[call._rung.value] += 1
         del self.calls[call.id]
         if call._group is not None:
             call._group._calls.discard(call)

@@ -74,6 +74,53 @@ class Buckets:
         return Histogram(self.bounds, tuple(self.counts), self.sum)
 
 
+class Tally:
+    """What a provider's calls and workers came to (one per provider name, kept after it is
+    removed, so that its counters never go back; the pool's are their sums)."""
+
+    __slots__ = (
+        "by_tool",
+        "escalations",
+        "kill_to_reaped",
+        "replaced",
+        "settle_latency",
+        "settled",
+        "started",
+        "submitted",
+        "unkillable",
+    )
+
+    def __init__(self) -> None:
+        self.settled: collections.Counter[str] = collections.Counter()
+        self.by_tool: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.escalations: collections.Counter[str] = collections.Counter()
+        self.submitted = 0
+        self.started = 0
+        self.replaced = 0
+        self.unkillable = 0
+        self.settle_latency = Buckets(SETTLE_LATENCY_BOUNDS)
+        self.kill_to_reaped = Buckets(KILL_TO_REAPED_BOUNDS)
+
+    @classmethod
+    def total(cls, tallies: list[Tally]) -> Tally:
+        out = cls()
+        for t in tallies:
+            out.settled.update(t.settled)
+            out.by_tool.update(t.by_tool)
+            out.escalations.update(t.escalations)
+            out.submitted += t.submitted
+            out.started += t.started
+            out.replaced += t.replaced
+            out.unkillable += t.unkillable
+            for mine, theirs in (
+                (out.settle_latency, t.settle_latency),
+                (out.kill_to_reaped, t.kill_to_reaped),
+            ):
+                mine.counts = [a + b for a, b in zip(mine.counts, theirs.counts, strict=True)]
+                mine.sum += theirs.sum
+        return out
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoreConfig:
     """The pool's options that its decisions depend on. ``tools_spec`` and the fields up to
@@ -181,15 +228,9 @@ class CoreState:
         self._seq = itertools.count()
         self._procs: list[list[Any]] = []  # [proc, its Wait or None]
         # statistics
-        self.settled_counts: collections.Counter[str] = collections.Counter()
-        self.escalation_counts: collections.Counter[str] = collections.Counter()
-        self.submitted = 0
-        self.started_count = 0
-        self.replaced = 0
-        self.unkillable_count = 0
-        self.settled_by_tool: collections.Counter[tuple[str, str]] = collections.Counter()
-        self.settle_latency = Buckets(SETTLE_LATENCY_BOUNDS)
-        self.kill_to_reaped = Buckets(KILL_TO_REAPED_BOUNDS)
+        # What calls and workers came to, by provider name ("": calls no provider took);
+        # ``tally()`` sums them.
+        self.tallies: dict[str, Tally] = {"": Tally()}
 
         spec = config.default_spec()
         if spec is not None:
@@ -198,7 +239,14 @@ class CoreState:
     def _new_provider(self, name: str, spec: ProviderSpec, generation: int = 1) -> ProviderRecord:
         p = ProviderRecord(next(self._provider_ids), name, spec, generation)
         self._providers_by_id[p.id] = p
+        p.tally = self.tallies.setdefault(name, Tally())
         return p
+
+    def tally(self, provider: str | None = None) -> Tally:
+        """The statistics of provider ``provider``'s calls and workers (None: the pool's)."""
+        if provider is not None:
+            return self.tallies.get(provider) or Tally()
+        return Tally.total(list(self.tallies.values()))
 
     # The default provider's queue, ready list and tools (the single-provider view).
 
