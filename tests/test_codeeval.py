@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -156,6 +157,59 @@ def test_comparison_is_strict_about_kinds() -> None:
         same(1, object())
 
 
+# -- an answer served on the network ----------------------------------------------------------
+
+
+@contextmanager
+def _answer_server() -> Iterator[int]:
+    """A TCP server on loopback that answers sum_even correctly: the port."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                numbers = json.loads(conn.recv(4096))
+                conn.sendall(str(sum(n for n in numbers if n % 2 == 0)).encode())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+
+
+NETWORK_CHEAT_ID = "sum_even/hostile/asks-a-server-on-loopback"
+NETWORK_EXPECT = frozenset({"failed"})
+
+
+def _network_cheat(port: int) -> str:
+    """A completion that gets its answers from the server on ``port`` (and has no other)."""
+    return textwrap.dedent(f"""
+        import json, socket
+
+        def sum_even(numbers):
+            with socket.create_connection(("127.0.0.1", {port}), timeout=5) as s:
+                s.sendall(json.dumps(numbers).encode())
+                return int(s.recv(64))
+        """)
+
+
+def test_the_answer_server_works_and_would_fool_a_naive_harness() -> None:
+    with _answer_server() as port:
+        assert _naive_passes("sum_even", _network_cheat(port))
+
+
 # -- every sample, through a pool -------------------------------------------------------------
 
 
@@ -169,7 +223,9 @@ async def test_every_sample_gets_its_verdict_and_leaves_nothing(profile: str) ->
     chosen = [
         s for s in samples.COMPLETIONS if profile == "untrusted" or s.kind in ("hostile", "limit")
     ]
-    with _answer_key_guarded():
+    with _answer_key_guarded(), _answer_server() as port:
+        # One more: it asks a real server on loopback, which would give it the right answer.
+        chosen.append(samples.Completion(NETWORK_CHEAT_ID, _network_cheat(port), NETWORK_EXPECT))
         async with toolpool.Pool(
             TOOLS, workers=3, profile=PROFILES[profile], cancel_grace=2.0, term_grace=1.0
         ) as pool:
@@ -216,6 +272,7 @@ async def test_every_sample_gets_its_verdict_and_leaves_nothing(profile: str) ->
     assert v["sum_even/hostile/always-equal"]["got"] == "-1"
     assert "not data" in v["reverse_words/hostile/always-equal-object"]["detail"]
     assert v["sum_even/limit/special-cases-the-inputs"]["verdict"] == "passed"  # a limit
+    assert "raised" in v[NETWORK_CHEAT_ID]["detail"]  # connect() was refused
 
 
 # -- the naive harness these attacks are aimed at ---------------------------------------------
@@ -266,67 +323,6 @@ def test_the_attacks_are_real_a_naive_harness_passes_them() -> None:
     # The harness itself tells right from wrong when nobody attacks it.
     assert _naive_passes("sum_even", by_id["sum_even/correct/ref"].source)
     assert not _naive_passes("sum_even", by_id["sum_even/wrong/odds"].source)
-
-
-# -- an answer served on the network ----------------------------------------------------------
-
-
-@contextmanager
-def _answer_server() -> Iterator[int]:
-    """A TCP server on loopback that answers sum_even correctly: the port."""
-    import socket
-
-    server = socket.create_server(("127.0.0.1", 0))
-    server.settimeout(0.2)
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                numbers = json.loads(conn.recv(4096))
-                conn.sendall(str(sum(n for n in numbers if n % 2 == 0)).encode())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield server.getsockname()[1]
-    finally:
-        stop.set()
-        thread.join(5)
-        server.close()
-
-
-NETWORK_CHEAT = """
-import json, socket
-
-def sum_even(numbers):
-    with socket.create_connection(("127.0.0.1", {port}), timeout=5) as s:
-        s.sendall(json.dumps(numbers).encode())
-        return int(s.recv(64))
-"""
-
-
-@pytest.mark.anyio
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("profile", sorted(PROFILES))
-async def test_an_answer_served_on_the_network_never_reaches_the_completion(profile: str) -> None:
-    if profile == "untrusted" and not IS_ROOT:
-        pytest.skip("the untrusted profile's uid layer needs root here")
-    with _answer_server() as port:
-        source = NETWORK_CHEAT.format(port=port)
-        assert _naive_passes("sum_even", source)  # the server works, and would fool it
-        async with toolpool.Pool(TOOLS, workers=1, profile=PROFILES[profile]) as pool:
-            result = await pool.call(
-                "evaluate", {"problem_id": "sum_even", "completion": source}, timeout=60
-            )
-    assert result.outcome == Outcome.OK, result.error
-    assert result.value["verdict"] == "failed", result.value
-    assert "raised" in result.value["detail"], result.value  # connect() was refused
-    assert _strays() == []
 
 
 # -- the call's own signal: its timeout and a cancel -------------------------------------------
