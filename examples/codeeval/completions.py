@@ -513,6 +513,26 @@ HOSTILE = [
         "failed",
     ),
     _c(
+        "sum_even/hostile/fork-swarm-in-sessions-of-their-own",
+        """
+        import os, time
+
+        def sum_even(numbers):
+            first = os.getpid()
+            for _ in range(6):  # every process forks at every level: 64 processes
+                if os.fork() == 0:
+                    try:
+                        os.setsid()  # out of the child's process group and session
+                    except OSError:
+                        pass
+            if os.getpid() != first:
+                while True:
+                    time.sleep(60)
+            return sum(n for n in numbers if n % 2)
+        """,
+        "failed",
+    ),
+    _c(
         "sum_even/hostile/sleeps-forever",
         """
         import time
