@@ -420,6 +420,28 @@ async def test_without_its_jail_the_completion_does_not_run_unless_allowed(
     assert _strays() == []
 
 
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_landlock_is_what_keeps_the_tests_from_the_completion(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The answer-reading sample, pointed at this checkout's tests wherever it is.
+    sample = next(s for s in samples.HOSTILE if s.id == "sum_even/hostile/reads-the-answers")
+    source = sample.source.replace("/work/*/examples/codeeval/problems.py", str(PROBLEMS_FILE))
+    assert source != sample.source
+    args = {"problem_id": "sum_even", "completion": source, "time_limit": TIME_LIMIT}
+    controller = CancelController()
+    jailed = await tools.registry.execute("evaluate", args, signal=controller.signal)
+    no_landlock = tools.RUNNER.replace("abi = int(_libc.syscall(create, None, 0, 1))", "abi = 0")
+    monkeypatch.setattr(tools, "RUNNER", no_landlock)
+    unjailed = await tools.registry.execute(
+        "evaluate", {**args, "allow_weak_jail": True}, signal=controller.signal
+    )
+    assert jailed.value["verdict"] == "failed"
+    assert unjailed.value["verdict"] == "passed"  # it read the tests: the layer matters
+    assert _strays() == []
+
+
 def test_the_child_program_uses_the_standard_library_only() -> None:
     # It runs as `python -I -S -c`, before any site-packages: nothing of toolpool's.
     imported: set[str] = set()
