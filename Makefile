@@ -18,8 +18,8 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests $(wildcard bench)
-	$(PY) -m ruff format --check src tests $(wildcard bench)
+	$(PY) -m ruff check src tests examples $(wildcard bench)
+	$(PY) -m ruff format --check src tests examples $(wildcard bench)
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

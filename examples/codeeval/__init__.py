@@ -1,0 +1,1 @@
+"""Code evaluation, HumanEval style: see ``tools.py`` and ``docs/codeeval.md``."""
