@@ -4,6 +4,7 @@ Never imports :mod:`toolpool.worker`: workers are started by module path.
 """
 
 from ._calls import Call, Group
+from ._map import MapIterator, SyncMapIterator
 from ._pool import Pool
 from ._results import ContainmentReport, Layer, Result, Rung, Statistics, Timeline, WorkerState
 from ._sync import SyncCall, SyncPool
@@ -13,11 +14,13 @@ __all__ = (
     "ContainmentReport",
     "Group",
     "Layer",
+    "MapIterator",
     "Pool",
     "Result",
     "Rung",
     "Statistics",
     "SyncCall",
+    "SyncMapIterator",
     "SyncPool",
     "Timeline",
     "WorkerState",

@@ -18,7 +18,7 @@ import signal
 import tempfile
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any, Final, Literal, cast, final
 
@@ -48,6 +48,7 @@ from ._containment import containment_report, supervisor_layers, warn_inactive_l
 from ._core import PoolCore
 from ._dispatch import QUEUE_BEHIND_FOR
 from ._lifecycle import EXIT_TOOLS_FAILED
+from ._map import MapIterator
 from ._records import (
     KILLED_TEXT,
     TIMEOUT_TEXT,
@@ -435,6 +436,22 @@ class Pool(Channels):
         """
         return await await_call(self.submit(tool, args, timeout=timeout))
 
+    def map(
+        self,
+        tool: str,
+        args_iterable: Iterable[Mapping[str, Any] | None],
+        *,
+        timeout: float | None = None,
+        ordered: bool = False,
+        max_in_flight: int | None = None,
+    ) -> MapIterator:
+        """The settled results of ``tool`` called once per item of ``args_iterable`` (a
+        mapping of arguments each, as :meth:`submit` takes), pulled lazily: an async
+        iterator; see :class:`toolpool.MapIterator`. Bad arguments raise here, at once."""
+        return MapIterator(
+            self, tool, args_iterable, timeout=timeout, ordered=ordered, max_in_flight=max_in_flight
+        )
+
     def group(self) -> Group:
         """A new group (turn) with a fresh cancel signal (CONTRACT C5)."""
         self._check_open()
@@ -524,6 +541,7 @@ class Pool(Channels):
         *,
         timeout: float | None,
         group: Group | None,
+        index: int | None = None,
     ) -> Call:
         self._check_open()
         if not isinstance(tool, str):
@@ -552,6 +570,7 @@ class Pool(Channels):
         now = time.monotonic()
         self._call_ids += 1
         call = Call(self, self._call_ids, tool, packed, group, now)
+        call._index = index
         self._core.submit(call, timeout=timeout, now=now)
         self._pump()
         return call
@@ -607,6 +626,8 @@ class Pool(Channels):
                     call._event.set()
                 if call._started_event is not None:
                     call._started_event.set()
+                if call._on_settled is not None:
+                    call._on_settled(call)
             elif kind is Send:
                 send: Send = action  # type: ignore[assignment]
                 io = self._io.get(send.wid)

@@ -66,6 +66,7 @@ class CallRecord:
         "_deadline",
         "_forced",
         "_group",
+        "_index",
         "_laddering",
         "_queued",
         "_recalling",
@@ -89,6 +90,7 @@ class CallRecord:
         """The tool's name."""
         self._args = args  # msgpack of the arguments, as sent
         self._group = group
+        self._index: int | None = None  # its position in a map's input (Result.index)
         self._state = CallState.QUEUED
         self._worker: WorkerRecord | None = None
         self._cause: CancelCause | None = None
