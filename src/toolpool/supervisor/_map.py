@@ -472,7 +472,8 @@ class SyncMapIterator(Iterator[Result]):
 
     The map runs in the pool's event-loop thread and hands the results over to the thread
     iterating in batches: ``max_in_flight`` bounds the calls submitted whose results this
-    iterator has not returned yet. The arguments iterable is pulled in the event-loop thread
+    iterator has not returned yet; the first of them are submitted as soon as
+    :meth:`SyncPool.map` returns. The arguments iterable is pulled in the event-loop thread
     (keep it quick, and do not share it with another thread meanwhile); an exception it
     raises comes out of ``next()`` here, after the results of the calls before it.
 
