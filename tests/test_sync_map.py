@@ -16,6 +16,7 @@ import pytest
 
 import toolpool
 from map_tools import Pulled, oks
+from pool_support import alive, pool_processes
 from toolpool import Outcome
 
 TOOLS = "map_tools:registry"
@@ -80,6 +81,7 @@ def test_sync_map_close_cancels_and_settles_the_rest() -> None:
     with sync_pool() as pool:
         with pool.map("varied", items, max_in_flight=5) as results:
             first = next(results)
+            procs = pool_processes(pool._pool)  # the reaper, the workers, what they run
         assert first.index == 0
         stats = pool.statistics()  # close returned: all settled
         assert stats.in_flight == 0
@@ -88,6 +90,7 @@ def test_sync_map_close_cancels_and_settles_the_rest() -> None:
         assert stats.settled.get("ok") == 1
         assert sum(stats.settled.values()) == stats.submitted
         assert list(results) == []  # closed
+    assert alive(procs) == []  # the killed workers and every other process of the pool
 
 
 @pytest.mark.timeout(60)
