@@ -64,6 +64,11 @@ def echo(value: Any) -> Any:
     return value
 
 
+def noop_of(item: Any) -> None:
+    """The no-op for ``map``: one item in, nothing out."""
+    return None
+
+
 def pid_nap(seconds: float) -> int:
     time.sleep(seconds)
     return os.getpid()

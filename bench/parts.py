@@ -3,7 +3,7 @@
 
     python bench/parts.py PEER PART [--smoke] [--json] [--out FILE]
 
-PEER is one of ``PEERS``; PART is 1-6 or its name (``PARTS``). The result is one JSON object
+PEER is one of ``PEERS``; PART is 1-7 or its name (``PARTS``). The result is one JSON object
 (printed with ``--json``, written with ``--out``). ``run.py`` runs every (peer, part) this way
 and checks, after each, that nothing the part started is left running.
 
@@ -47,6 +47,7 @@ PARTS = {
     "4": "leaks",
     "5": "cold",
     "6": "scale",
+    "7": "map",
 }
 PEERS = (
     "toolpool",
@@ -62,6 +63,8 @@ PEERS = (
 )
 FLOOR_PARTS = ("throughput", "latency", "stop", "cold")
 """The floors have nothing to say about leaks and scale."""
+MAP_PEERS = ("toolpool", "mp_pool", "cf_fork", "pebble")
+"""The peers of part 7 (map): each pool's own map over an iterable, as issue 18 asks."""
 
 WORKERS = 2
 TP_CANCEL_GRACE = 0.5
@@ -1300,6 +1303,117 @@ async def tp_scale(sz: dict[str, Any], tmp: str) -> dict[str, Any]:
     return out
 
 
+# =========================================================================== part 7 (map)
+
+
+def _map_cases(sz: dict[str, Any]) -> list[tuple[str, int, int]]:
+    return [("noop", sz["noop_n"], 0), ("echo_10k", sz["echo_10k_n"], 10 * 1024)]
+
+
+def peer_map(name: str, sz: dict[str, Any]) -> dict[str, Any]:
+    """The peer's own map over n items, results consumed as they come, default chunksize
+    (1): ``Pool.imap_unordered``, ``ProcessPoolExecutor.map``, pebble's ``ProcessPool.map``."""
+    peer = make_peer(name)
+    peer.start()
+    pool = peer.pool
+    how = {
+        "mp_pool": "multiprocessing.Pool.imap_unordered(fn, items)",
+        "cf_fork": "ProcessPoolExecutor.map(fn, items)",
+        "pebble": "pebble.ProcessPool.map(fn, items).result()",
+    }[name]
+
+    def run(fn: Callable[[Any], Any], items: Any) -> Any:
+        if name == "mp_pool":
+            return pool.imap_unordered(fn, items)
+        if name == "pebble":
+            return pool.map(fn, items).result()
+        return pool.map(fn, items)
+
+    out: dict[str, Any] = {"how": how}
+    try:
+        for _ in run(bodies.noop_of, range(sz["warm"])):
+            pass
+        for case, n, size in _map_cases(sz):
+            payload = os.urandom(size)
+            fn = bodies.echo if size else bodies.noop_of
+            runs = []
+            for _ in range(sz["repeats"]):
+                gc.collect()
+                c0, t0 = time.process_time(), time.perf_counter()
+                got = sum(1 for _ in run(fn, (payload for _ in range(n))))
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if got != n:
+                    raise RuntimeError(f"{name} map gave {got} results for {n} items")
+                runs.append(_rate_run(n, size, wall, cpu))
+            out[case] = {"runs": runs}
+    finally:
+        out["close"] = close_peer(peer)
+    return out
+
+
+def tp_map(sz: dict[str, Any]) -> dict[str, Any]:
+    """SyncPool.map (unordered and ordered) beside the async paths on the same pool and
+    workers, run by run: the async ``pool.submit`` path (submit all, await each, as part 1)
+    and ``Pool.map``, both run in the SyncPool's own event-loop thread."""
+    import toolpool
+
+    variants = ("sync_map", "sync_map_ordered", "async_map", "async_submit")
+    out: dict[str, Any] = {}
+    with toolpool.SyncPool(
+        "bodies:registry",
+        workers=WORKERS,
+        cancel_grace=TP_CANCEL_GRACE,
+        term_grace=TP_TERM_GRACE,
+        warm_spares=TP_WARM_SPARES,
+    ) as pool:
+        portal = pool._running()  # (the async paths run in the pool's own loop)
+        inner = pool._pool
+
+        async def async_submit(tool: str, args: dict[str, Any], n: int) -> int:
+            calls = [inner.submit(tool, args) for _ in range(n)]
+            ok = 0
+            for c in calls:
+                ok += (await c).ok
+            return ok
+
+        async def async_map(tool: str, args: dict[str, Any], n: int) -> int:
+            ok = 0
+            async with inner.map(tool, (args for _ in range(n))) as results:
+                async for r in results:
+                    ok += r.ok
+            return ok
+
+        def sync_map(tool: str, args: dict[str, Any], n: int, ordered: bool = False) -> int:
+            with pool.map(tool, (args for _ in range(n)), ordered=ordered) as results:
+                return sum(r.ok for r in results)
+
+        runners: dict[str, Callable[[str, dict[str, Any], int], int]] = {
+            "sync_map": sync_map,
+            "sync_map_ordered": lambda t, a, n: sync_map(t, a, n, ordered=True),
+            "async_map": lambda t, a, n: portal.call(async_map, t, a, n),
+            "async_submit": lambda t, a, n: portal.call(async_submit, t, a, n),
+        }
+        sync_map("noop", {}, sz["warm"])
+        for case, n, size in _map_cases(sz):
+            args = {"value": os.urandom(size)} if size else {}
+            tool = "echo" if size else "noop"
+            cell: dict[str, Any] = {v: {"runs": []} for v in variants}
+            for _ in range(sz["repeats"]):  # interleaved: each repeat runs every variant
+                for variant in variants:
+                    gc.collect()
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    ok = runners[variant](tool, args, n)
+                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    if ok != n:
+                        raise RuntimeError(f"{variant} {tool}: {ok} of {n} calls ok")
+                    cell[variant]["runs"].append(_rate_run(n, size, wall, cpu))
+            out[case] = cell
+        with pool.map("noop", []) as empty:
+            out["max_in_flight"] = empty.max_in_flight
+        out["statistics"] = _tp_stats(pool)
+    return out
+
+
 # =========================================================================== floors
 
 
@@ -1492,6 +1606,12 @@ def run_part(peer: str, part: str, sz: dict[str, Any], tmp: str) -> dict[str, An
             return run(tp_cold, sz)
         if part == "scale":
             return run(tp_scale, sz, tmp)
+        if part == "map":
+            return tp_map(sz)
+    if part == "map":
+        if peer not in MAP_PEERS:
+            raise SystemExit(f"{peer} has no part 'map'")
+        return peer_map(peer, sz)
     if part == "throughput":
         return peer_throughput(peer, sz)
     if part == "latency":
@@ -1667,7 +1787,7 @@ def _supervise_self(argv: list[str], env: dict[str, str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("peer", choices=PEERS)
-    parser.add_argument("part", help="1-6 or " + ", ".join(PARTS.values()))
+    parser.add_argument("part", help="1-7 or " + ", ".join(PARTS.values()))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--out", help="also write the JSON result to this file")

@@ -49,7 +49,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, BENCH)
 
-from parts import FLOOR_PARTS, PARTS, PEERS, TAG_VAR, proc_alive  # noqa: E402
+from parts import FLOOR_PARTS, MAP_PEERS, PARTS, PEERS, TAG_VAR, proc_alive  # noqa: E402
 
 PEER_MODULES = {
     "loky": "loky",
@@ -201,6 +201,8 @@ def plan(peers: list[str], parts: list[str]) -> list[tuple[str, str]]:
         for peer in peers:
             if peer == "floor" and part not in FLOOR_PARTS:
                 continue
+            if part == "map" and peer not in MAP_PEERS:
+                continue  # (the baseline's toolpool may have no map: it is not compared)
             out.append((peer, part))
     return out
 
@@ -316,7 +318,33 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
                 for w, v in (m.get("throughput") or {}).items()
             }
             s["queued"] = m.get("queued")
+        elif part == "map":
+            s["map"] = _summarize_map(m)
     return {"peers": peers, "targets": targets(peers)}
+
+
+#: The rows of part 7 for toolpool, by variant.
+TP_MAP_VARIANTS = {
+    "sync_map": "SyncPool.map",
+    "sync_map_ordered": "SyncPool.map(ordered=True)",
+    "async_map": "Pool.map (async)",
+    "async_submit": "pool.submit (async: submit all, await each)",
+}
+
+
+def _summarize_map(m: dict[str, Any]) -> dict[str, Any]:
+    """{case: {variant: rate agg}}; a peer has one variant, "map"."""
+    out: dict[str, Any] = {"how": m.get("how"), "max_in_flight": m.get("max_in_flight")}
+    for case in ("noop", "echo_10k"):
+        node = m.get(case) or {}
+        if "runs" in node:
+            out[case] = {"map": agg([x["rate"] for x in node["runs"]])}
+        else:
+            out[case] = {v: agg([x["rate"] for x in r.get("runs", [])]) for v, r in node.items()}
+        if "sync_map" in out[case] and "async_submit" in node:
+            pairs = zip(node["sync_map"]["runs"], node["async_submit"]["runs"], strict=True)
+            out[case]["sync_map_vs_async_submit"] = agg([a["rate"] / b["rate"] for a, b in pairs])
+    return out
 
 
 def _summarize_floor(s: dict[str, Any], part: str, m: dict[str, Any]) -> None:
@@ -484,6 +512,18 @@ def targets(peers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             f"1 worker {r1:,.0f}/s, 2 workers {r2:,.0f}/s (x{r2 / r1:.2f})",
             "> x1 from 1 to 2 workers",
             r2 > r1 * 1.1,
+        )
+    tp_map = (tp.get("map") or {}).get("noop") or {}
+    ratios = tp_map.get("sync_map_vs_async_submit")
+    if ratios:
+        sync_rate, async_rate = _med(tp_map.get("sync_map")), _med(tp_map.get("async_submit"))
+        add(
+            "SyncPool.map no-op throughput >= 0.8x the async pool.submit path",
+            f"{sync_rate or 0:,.0f}/s vs {async_rate or 0:,.0f}/s "
+            f"(x{ratios['median']:.2f} [{ratios['min']:.2f}-{ratios['max']:.2f}] run by run)",
+            ">= x0.80",
+            ratios["median"] >= 0.8,
+            "same pool, interleaved runs (part 7)",
         )
     cpu = _med(tp.get("noop_cpu_us"))
     if cpu is not None:
@@ -727,6 +767,7 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += _stop_tables(peers, order)
     lines += _leak_table(peers, order)
     lines += _scale_tables(peers, order)
+    lines += _map_table(peers, order)
     charts = doc.get("charts") or []
     if charts:
         lines += ["## Charts", ""] + [f"![{c}]({c})" for c in charts] + [""]
@@ -889,6 +930,58 @@ def _scale_tables(peers: dict[str, Any], order: list[str]) -> list[str]:
     return lines
 
 
+def _map_table(peers: dict[str, Any], order: list[str]) -> list[str]:
+    rows = [(p, peers[p]["map"]) for p in order if peers[p].get("map")]
+    if not rows:
+        return []
+    lines = [
+        "## map over an iterable (part 7)",
+        "",
+        "Calls/s, results consumed as they come, each pool's own map with its defaults "
+        "(chunksize 1). toolpool's four rows share one pool and run interleaved, repeat by "
+        "repeat; the async rows run in the SyncPool's own event-loop thread.",
+        "",
+        "| pool | how | no-op calls/s | 10 KiB echo calls/s |",
+        "| --- | --- | --- | --- |",
+    ]
+    for p, m in rows:
+        if p == "toolpool":
+            for variant, label in TP_MAP_VARIANTS.items():
+                lines.append(
+                    f"| toolpool | {label} | {fmt((m.get('noop') or {}).get(variant))} | "
+                    f"{fmt((m.get('echo_10k') or {}).get(variant))} |"
+                )
+            continue
+        lines.append(
+            f"| {PEER_LABEL[p]} | {m.get('how') or '-'} | "
+            f"{fmt((m.get('noop') or {}).get('map'))} | "
+            f"{fmt((m.get('echo_10k') or {}).get('map'))} |"
+        )
+    tp = peers.get("toolpool", {}).get("map")
+    if tp:
+        noop, echo = tp.get("noop") or {}, tp.get("echo_10k") or {}
+        lines += [
+            "",
+            "SyncPool.map / async pool.submit, run by run: no-op "
+            f"{fmt(noop.get('sync_map_vs_async_submit'), 2)}, 10 KiB "
+            f"{fmt(echo.get('sync_map_vs_async_submit'), 2)} "
+            f"(max_in_flight {tp.get('max_in_flight')}).",
+            "",
+            "| SyncPool.map / peer | no-op | 10 KiB |",
+            "| --- | --- | --- |",
+        ]
+        for p, m in rows:
+            if p == "toolpool":
+                continue
+            lines.append(
+                f"| {PEER_LABEL[p]} | "
+                f"{ratio(noop.get('sync_map'), (m.get('noop') or {}).get('map'))} | "
+                f"{ratio(echo.get('sync_map'), (m.get('echo_10k') or {}).get('map'))} |"
+            )
+    lines.append("")
+    return lines
+
+
 # =========================================================================== charts
 
 
@@ -1020,7 +1113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; well under a minute")
     parser.add_argument("--peers", help="comma-separated, from: " + ",".join(PEERS))
     parser.add_argument(
-        "--parts", help="comma-separated numbers or names: 1-6 or " + ",".join(PARTS.values())
+        "--parts", help="comma-separated numbers or names: 1-7 or " + ",".join(PARTS.values())
     )
     parser.add_argument("--out-dir", default=os.path.join(BENCH, "results"))
     parser.add_argument("--name", default="latest", help="base name of the output files")

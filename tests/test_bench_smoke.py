@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "bench" / "run.py"
 PEERS = ("toolpool", "mp_pool")
-PARTS = ("throughput", "latency", "stop", "leaks", "cold", "scale")
+PARTS = ("throughput", "latency", "stop", "leaks", "cold", "scale", "map")
 
 
 @pytest.mark.timeout(120)
@@ -30,7 +30,7 @@ def test_bench_smoke_run_writes_its_results(tmp_path: Path) -> None:
             "--peers",
             ",".join(PEERS),
             "--parts",
-            "1,2,3,4,5,6",
+            "1,2,3,4,5,6,7",
             "--out-dir",
             str(tmp_path),
             "--no-charts",
@@ -63,6 +63,9 @@ def test_bench_smoke_run_writes_its_results(tmp_path: Path) -> None:
         assert set(peers[peer]) >= {"noop_rate", "p50_us", "cold_ms", "stop", "leaks", "queued"}
     assert set(peers["toolpool"]["stop"]) == {"cancel", "force"}
     assert "scale" in peers["toolpool"]
+    tp_map = peers["toolpool"]["map"]["noop"]
+    assert set(tp_map) >= {"sync_map", "async_submit", "sync_map_vs_async_submit"}
+    assert peers["mp_pool"]["map"]["noop"]["map"]["n"] == 1
     assert isinstance(doc["summary"]["targets"], list)
     for target in doc["summary"]["targets"]:
         assert set(target) >= {"target", "value", "goal", "met"}
@@ -70,3 +73,4 @@ def test_bench_smoke_run_writes_its_results(tmp_path: Path) -> None:
     markdown = (tmp_path / "latest.md").read_text()
     assert "| toolpool |" in markdown
     assert "## Targets" in markdown
+    assert "## map over an iterable (part 7)" in markdown

@@ -50,6 +50,26 @@ def test_the_readme_example_prints_what_its_comments_say(tmp_path: Path) -> None
         assert printed[2].startswith("[('submitted', 0.0), ('dispatched', ")
 
 
+@pytest.mark.timeout(120)
+def test_the_readme_map_example_prints_one_line_per_item(tmp_path: Path) -> None:
+    tools, _, example = _python_blocks(README)[:3]
+    assert "pool.map(" in example
+    (tmp_path / "mytools.py").write_text(tools)
+    (tmp_path / "example.py").write_text(example)
+    done = subprocess.run(
+        [sys.executable, "example.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert sorted(int(line[0]) for line in lines) == list(range(8))
+    assert all(line[1] == "ok" for line in lines)
+
+
 def test_the_pages_the_readme_links_are_in_the_repository() -> None:
     pages = re.findall(r"`((?:\.\./)?[\w./-]+\.md)`", README)
     assert "docs/contract.md" in pages

@@ -14,6 +14,7 @@ from ._events import (
     WorkerExited,
     WorkerStarted,
 )
+from ._map import MapIterator, SyncMapIterator
 from ._pool import Pool
 from ._results import (
     ContainmentReport,
@@ -33,6 +34,7 @@ __all__ = (
     "Group",
     "Histogram",
     "Layer",
+    "MapIterator",
     "Pool",
     "PoolEvent",
     "ProviderAdded",
@@ -43,6 +45,7 @@ __all__ = (
     "Rung",
     "Statistics",
     "SyncCall",
+    "SyncMapIterator",
     "SyncPool",
     "Timeline",
     "ToolsChanged",

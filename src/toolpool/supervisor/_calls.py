@@ -6,7 +6,7 @@ about them is the core's, reached through the pool (``_pool.py``).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, final
 
@@ -31,7 +31,7 @@ class Call(CallRecord):
     Created by :meth:`Pool.submit` and :meth:`Group.submit` only.
     """
 
-    __slots__ = ("_abandoned", "_event", "_pool", "_started_event")
+    __slots__ = ("_abandoned", "_event", "_on_settled", "_pool", "_started_event")
 
     def __init__(
         self,
@@ -47,6 +47,9 @@ class Call(CallRecord):
         self._event: anyio.Event | None = None
         self._started_event: anyio.Event | None = None
         self._abandoned: str | None = None  # the pool closed without settling it: why
+        # Told when the call settles, in the loop, right after its waiters are woken (a
+        # map's collector: ``_map.py``).
+        self._on_settled: Callable[[Call], object] | None = None
 
     def cancel(self, cause: object = None, *, force: bool = False) -> None:
         """Cancel the call. ``cause`` is None (``{"kind": "user"}``) or ``{"kind": "parent"}``.

@@ -404,6 +404,8 @@ class Channels:
                     call._event.set()
                 if call._started_event is not None:
                     call._started_event.set()
+                if call._on_settled is not None:
+                    call._on_settled(call)
             elif kind is Send:
                 send: Send = action  # type: ignore[assignment]
                 io = self._io.get(send.wid)

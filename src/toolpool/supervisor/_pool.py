@@ -17,7 +17,7 @@ import secrets
 import tempfile
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any, Final, Literal, final
 
@@ -54,6 +54,7 @@ from ._hosting import (
     provider_options,
 )
 from ._lifecycle import EXIT_TOOLS_FAILED
+from ._map import MapIterator
 from ._observe import abandon_unsettled, close_report, snapshot, wait_settled_or_stuck
 from ._records import (
     KILLED_TEXT,
@@ -471,6 +472,22 @@ class Pool(Channels, Hosting):
         """
         return await await_call(self.submit(tool, args, timeout=timeout))
 
+    def map(
+        self,
+        tool: str,
+        args_iterable: Iterable[Mapping[str, Any] | None],
+        *,
+        timeout: float | None = None,
+        ordered: bool = False,
+        max_in_flight: int | None = None,
+    ) -> MapIterator:
+        """The settled results of ``tool`` called once per item of ``args_iterable`` (a
+        mapping of arguments each, as :meth:`submit` takes), pulled lazily: an async
+        iterator; see :class:`toolpool.MapIterator`. Bad arguments raise here, at once."""
+        return MapIterator(
+            self, tool, args_iterable, timeout=timeout, ordered=ordered, max_in_flight=max_in_flight
+        )
+
     def group(self) -> Group:
         """A new group (turn) with a fresh cancel signal (CONTRACT C5)."""
         self._check_open()
@@ -569,6 +586,7 @@ class Pool(Channels, Hosting):
         *,
         timeout: float | None,
         group: Group | None,
+        index: int | None = None,
     ) -> Call:
         self._check_open()
         if not isinstance(tool, str):
@@ -601,6 +619,7 @@ class Pool(Channels, Hosting):
         now = time.monotonic()
         self._call_ids += 1
         call = Call(self, self._call_ids, tool, packed, group, now)
+        call._index = index
         self._core.submit(call, timeout=timeout, now=now)
         self._pump()
         return call

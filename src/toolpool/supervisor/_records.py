@@ -76,6 +76,7 @@ class CallRecord:
         "_deadline",
         "_forced",
         "_group",
+        "_index",
         "_laddering",
         "_owner",
         "_provider",
@@ -101,6 +102,7 @@ class CallRecord:
         """The tool's name."""
         self._args = args  # msgpack of the arguments, as sent
         self._group = group
+        self._index: int | None = None  # its position in a map's input (Result.index)
         self._state = CallState.QUEUED
         self._worker: WorkerRecord | None = None
         self._cause: CancelCause | None = None

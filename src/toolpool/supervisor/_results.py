@@ -143,6 +143,9 @@ class Result:
     pool's reaper died and no cgroup held the tree: see ``docs/pool.md``). None where the
     worker did not die of the call (it sent a result, or never took the call up)."""
     timeline: Timeline
+    index: int | None = None
+    """The position, from 0, of the call's arguments in the iterable given to
+    :meth:`Pool.map` or :meth:`SyncPool.map`; None for a call submitted otherwise."""
 
     @property
     def ok(self) -> bool:

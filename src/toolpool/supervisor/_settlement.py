@@ -99,6 +99,7 @@ class Settlement(CoreState):
             tree_max_memory=tree_max_memory,
             tree_verified=tree_verified,
             timeline=Timeline(**call._times),
+            index=call._index,
         )
         if call._queued:
             self._forget_queued(call)

@@ -8,7 +8,8 @@ Built on the public API of :class:`Pool` and :class:`Call` only, through an anyi
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any, final
 
@@ -17,6 +18,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from ..core import PoolClosedError, validate_cause
 from ._calls import Call
+from ._map import MapIterator, SyncMapIterator, _Feed, drive_sync_map
 from ._pool import Pool
 from ._results import Result, Statistics
 
@@ -98,6 +100,7 @@ class SyncPool:
         self._pool_cm: Any = None
         self._closed = False
         self._following: dict[int, SyncCall] = {}  # calls not settled yet (the loop's)
+        self._maps: weakref.WeakSet[MapIterator] = weakref.WeakSet()  # (the loop's)
 
     def __enter__(self) -> SyncPool:
         if self._closed or self._portal is not None:
@@ -134,7 +137,7 @@ class SyncPool:
             self._pool_cm.__exit__(None, None, None)
         finally:
             try:
-                portal.call(self._deliver_all)  # settled now: none may wait on a stopped loop
+                portal.call(self._closed_down)  # settled now: none may wait on a stopped loop
             finally:
                 self._portal_cm.__exit__(None, None, None)
                 self._portal = None
@@ -176,7 +179,7 @@ class SyncPool:
         except PoolClosedError as exc:  # the close left it unsettled: its tree did not die
             self._fail(call.id, exc)
         finally:
-            if call.done():  # (else the portal is closing: _deliver_all completes it)
+            if call.done():  # (else the portal is closing: _closed_down completes it)
                 self._deliver(call.id)
 
     def _fail(self, call_id: int, exc: BaseException) -> None:
@@ -189,12 +192,49 @@ class SyncPool:
         if future is not None and not future.done():
             future.set_result(future._call.result())
 
-    def _deliver_all(self) -> None:
+    def _closed_down(self) -> None:
         for call_id, future in list(self._following.items()):
             if future._call.done():
                 self._deliver(call_id)
             elif future._call._abandoned is not None:
                 self._fail(call_id, PoolClosedError(future._call._abandoned))
+        for it in list(self._maps):  # a map still running ends, even if none takes from it
+            if it._pulling:
+                it._fail(PoolClosedError("the pool closed while the map ran"))
+            it._collector.poke()
+
+    def map(
+        self,
+        tool: str,
+        args_iterable: Iterable[Mapping[str, Any] | None],
+        *,
+        timeout: float | None = None,
+        ordered: bool = False,
+        max_in_flight: int | None = None,
+    ) -> SyncMapIterator:
+        """As :meth:`toolpool.Pool.map`, for blocking code: an iterator of the settled
+        results, handed over from the pool's loop in batches (see
+        :class:`toolpool.SyncMapIterator`). Bad arguments raise here, at once.
+
+        >>> with pool.map("fetch", ({"url": u} for u in urls)) as results:  # doctest: +SKIP
+        ...     for result in results:
+        ...         print(result.index, result.outcome)
+        """
+        portal = self._running()
+        feed = _Feed()
+        _, it = portal.start_task(
+            drive_sync_map,
+            self._pool,
+            self._maps,
+            feed,
+            tool,
+            args_iterable,
+            timeout,
+            ordered,
+            max_in_flight,
+        )
+        assert isinstance(it, MapIterator)
+        return SyncMapIterator(portal, feed, it)
 
     def call(
         self, tool: str, args: Mapping[str, Any] | None = None, *, timeout: float | None = None
