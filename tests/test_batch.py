@@ -647,3 +647,61 @@ def test_memory_stays_bounded_as_the_input_grows(tmp_path: Path) -> None:
         assert summary["recorded"] == {"ok": calls, "rejected": rejected}
         peaks.append(summary["peak_rss_mib"])
     assert peaks[1] - peaks[0] < 50, peaks
+
+
+# ====================================================================== progress
+
+
+def _stderr_on_a_terminal(inp: Path, out: Path, *options: str) -> tuple[int, bytes]:
+    """Run the batch with its stderr on a pseudo-terminal; its exit status and what the
+    terminal got."""
+    import pty
+    import threading
+
+    main, side = pty.openpty()
+    got = bytearray()
+
+    def read() -> None:
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # EIO: the other side is closed
+                return
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        done = subprocess.run(
+            _command(inp, out, *options),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=side,
+            env=_env() | {"COLUMNS": "100"},
+            timeout=90,
+        )
+    finally:
+        os.close(side)
+        reader.join(10)
+        os.close(main)
+    return done.returncode, bytes(got)
+
+
+@pytest.mark.timeout(120)
+def test_on_a_terminal_a_live_bar_unless_no_progress(tmp_path: Path) -> None:
+    inp = write_lines(
+        tmp_path / "in.jsonl",
+        [{"id": i, "tool": "sleep_ms", "args": {"ms": 2}} for i in range(300)],
+    )
+    status, shown = _stderr_on_a_terminal(inp, tmp_path / "out1.jsonl")
+    assert status == 0, shown
+    text = shown.decode()
+    assert "\x1b[" in text  # drawn, and redrawn
+    assert "300/300" in text
+    assert "calls/s" in text
+    assert "ok 300 | in flight 0 · queued 0" in text
+    status, shown = _stderr_on_a_terminal(inp, tmp_path / "out2.jsonl", "--no-progress")
+    assert status == 0, shown
+    assert shown == b""

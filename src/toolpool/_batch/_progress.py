@@ -7,10 +7,11 @@ Built on ``rich``, imported only here. The bar goes to stderr, only when stderr 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import IO, Any, final
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -21,6 +22,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from ._runner import Batch, Summary, Watcher
 
@@ -46,6 +48,17 @@ def _counts(counts: dict[str, int]) -> str:
     return " · ".join(f"{k} {v:,}" for k, v in shown) or "nothing yet"
 
 
+class _TwoLines(Progress):
+    """The bar on one line, the counts on the next (they do not fit beside it on 80
+    columns)."""
+
+    counts = ""
+
+    def get_renderables(self) -> Iterable[RenderableType]:
+        yield self.make_tasks_table(self.tasks)
+        yield Text(self.counts, overflow="ellipsis", no_wrap=True)
+
+
 @final
 class LiveProgress(Watcher):
     """A rich progress bar: done of total, rate, ETA, counts by outcome, in flight and
@@ -53,7 +66,7 @@ class LiveProgress(Watcher):
 
     def __init__(self, stream: IO[str]) -> None:
         self._console = Console(file=stream)
-        self._progress: Progress | None = None
+        self._progress: _TwoLines | None = None
         self._task: TaskID | None = None
 
     @property
@@ -64,32 +77,29 @@ class LiveProgress(Watcher):
     def started(self, batch: Batch) -> None:
         if not self.active:
             return
-        self._progress = Progress(
+        self._progress = _TwoLines(
             TextColumn("[bold]batch"),
-            BarColumn(),
+            BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
             TextColumn("{task.fields[rate]}"),
-            TextColumn("{task.fields[counts]}"),
             console=self._console,
             auto_refresh=False,
         )
         self._progress.start()
-        self._task = self._progress.add_task("batch", total=batch.summary.total, rate="", counts="")
+        self._task = self._progress.add_task("batch", total=batch.summary.total, rate="")
 
     def refresh(self, batch: Batch) -> None:
         if self._progress is None or self._task is None:
             return
         s = batch.summary
         done = s.lines - batch.in_window
-        self._progress.update(
-            self._task,
-            completed=done,
-            rate=f"{batch.rate():,.0f} calls/s",
-            counts=f"{_counts(s.recorded)} | in flight {s.in_flight:,} · queued {s.queued:,}",
+        self._progress.counts = (
+            f"  {_counts(s.recorded)} | in flight {s.in_flight:,} · queued {s.queued:,}"
         )
+        self._progress.update(self._task, completed=done, rate=f"{batch.rate():,.0f} calls/s")
         self._progress.refresh()
 
     def stopped(self, batch: Batch) -> None:

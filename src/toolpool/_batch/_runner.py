@@ -262,6 +262,8 @@ class Batch:
             finally:
                 self.summary.elapsed_s = time.monotonic() - self._started_at
                 self.summary.cpu_s = time.process_time() - cpu
+                if not self._pending:
+                    self.summary.in_flight = self.summary.queued = 0
                 self._watcher.stopped(self)
 
     async def _loop(
