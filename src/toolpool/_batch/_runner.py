@@ -18,6 +18,7 @@ from typing import Any, BinaryIO, Final, final
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from ..core import Outcome, ToolpoolError, UnknownToolError
 from ..sandbox import Profile
@@ -33,8 +34,10 @@ TICK: Final = 0.05
 #: its workers hold; at least twice TICK, so that the window grows while a slow call holds
 #: the oldest place.
 QUEUE_FOR: Final = 0.1
-#: The most calls the batch keeps in the pool at once.
-MAX_WINDOW: Final = 4096
+#: The most lines read between two awaits.
+READ_AT_ONCE: Final = 1024
+#: The most calls the batch keeps in the pool at once (with 10 KiB of args each, 10 MiB).
+MAX_WINDOW: Final = 1024
 #: Seconds between two measurements of the rate.
 RATE_EVERY: Final = 0.2
 #: Exit status after Ctrl-C or SIGTERM (128 + SIGINT, as a shell reports it).
@@ -184,6 +187,8 @@ class Batch:
         self._outcomes: list[str] = []
         self._started_at = 0.0
         self._known_rejections: set[tuple[int, str]] = set()
+        self._timeouts = options.timeout is not None
+        """Whether a call with a timeout was submitted (or will be: --timeout)."""
 
     @property
     def in_window(self) -> int:
@@ -216,13 +221,18 @@ class Batch:
             try:
                 self.summary.previous = results.previous.outcomes
                 self.summary.total = count_lines(options.input)
+                failure: list[Exception] = []
                 with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._watch_signals, signals)
                         try:
                             await self._run_pool(stream, results, tg)
+                        except Exception as exc:  # kept out of the task group's exception group
+                            failure.append(exc)
                         finally:
                             tg.cancel_scope.cancel()
+                if failure:
+                    raise failure[0]
             finally:
                 results.close()
         finally:
@@ -273,20 +283,32 @@ class Batch:
         results: ResultsFile,
         tg: anyio.abc.TaskGroup,
     ) -> None:
-        # The window: enough calls for every worker to run one and hold its queue full
-        # (Pool(prefetch=...)), plus QUEUE_FOR seconds of calls at the rate they settle.
-        # Not more: a call's timeout counts from its submission. The extra calls queued in
-        # the pool are what let it send calls to a worker several at a time: with no-op calls
-        # (bench/batch.py) they took the batch from about 0.6 to 0.85 of the rate of
-        # pool.submit, measured in supervisor CPU per call.
-        base = window = self.options.workers * (pool.prefetch + 2)
+        # The window: how many calls the batch keeps in the pool. Calls queued in the pool
+        # beyond what the workers hold are what let it send a worker several calls at a time:
+        # with no-op calls (bench/batch.py, a loaded machine) 36 in the pool cost 244 us of
+        # this process's CPU per call, 576 cost 149-164 us, the pool.submit path 131 us. But
+        # a call's timeout counts from its submission: while no line has a timeout, the
+        # window is MAX_WINDOW; once one has, it is what every worker runs and holds
+        # (Pool(prefetch=...)) plus QUEUE_FOR seconds of calls at the rate they settle.
+        base = self.options.workers * (pool.prefetch + 2)
+        window = base  # (while a timeout is in play)
         pending = self._pending
         summary = self.summary
         more = True
         measured_at = time.monotonic()
         settled_since = 0
         while True:
-            while more and not self._stopping and len(pending) < window:
+            # At most READ_AT_ONCE lines between two awaits: lines that make no call
+            # (skipped, rejected) must not keep the signals and the progress waiting, nor
+            # pile up records unwritten.
+            budget = READ_AT_ONCE
+            while (
+                more
+                and not self._stopping
+                and len(pending) < (window if self._timeouts else MAX_WINDOW)
+                and budget
+            ):
+                budget -= 1
                 item = next(jobs, None)
                 if item is None:
                     more = False
@@ -304,6 +326,7 @@ class Batch:
             if not pending:
                 if not more or self._stopping:
                     break
+                await anyio.lowlevel.checkpoint()
                 continue
             head = next(iter(pending))
             everything = False
@@ -322,8 +345,9 @@ class Batch:
             settled_since += len(settled)
             now = time.monotonic()
             if now - measured_at >= RATE_EVERY:
-                rate = settled_since / (now - measured_at)
-                window = max(base, min(MAX_WINDOW, int(rate * QUEUE_FOR)))
+                if self._timeouts:
+                    rate = settled_since / (now - measured_at)
+                    window = max(base, min(MAX_WINDOW, int(rate * QUEUE_FOR)))
                 measured_at, settled_since = now, 0
             if self._out:
                 await self._flush(results, tg)
@@ -357,6 +381,8 @@ class Batch:
             )
         else:
             job.attempts += 1
+            if job.timeout is not None:
+                self._timeouts = True
             if job.first_submitted is None:
                 job.first_submitted = now
                 if group is not None:
