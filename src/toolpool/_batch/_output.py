@@ -43,6 +43,7 @@ __all__ = (
 FSYNC_EVERY: Final = 1000
 #: The outcome of a rejected input line's record.
 REJECTED: Final = "rejected"
+_OK: Final = Outcome.OK
 #: Error name of a record whose value JSON cannot hold.
 UNRECORDABLE: Final = "UnrecordableValue"
 
@@ -83,7 +84,7 @@ def call_record(job: Job, result: Any) -> tuple[bytes, str]:
     settled = result.timeline.settled
     duration = 0.0 if settled is None else max(0.0, settled - first)
     record: dict[str, Any] = {"id": job.id, "outcome": outcome.value}
-    if outcome is Outcome.OK:
+    if outcome is _OK:
         record["value"] = result.value
     else:
         record["error"] = result.error
@@ -191,9 +192,12 @@ class ResultsFile:
         they are in the kernel's hands (a SIGKILL of this process loses none). Returns True
         when an fsync is due (:meth:`sync`)."""
         view = memoryview(data)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
+        try:
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+        except OSError as exc:  # (a full disk, say): the batch stops, what is written stands
+            raise ResultsFileError(f"cannot write {self.path}: {exc.strerror}") from None
         self.written += records
         self._unsynced += records
         return self._unsynced >= FSYNC_EVERY
