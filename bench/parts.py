@@ -1218,7 +1218,8 @@ async def tp_cold(sz: dict[str, Any]) -> dict[str, Any]:
             import anyio
 
             await anyio.sleep(0.5)
-            pids = sorted(pool.worker_pids)
+            pids = pool.worker_pids  # (a method before 2ce10fe: --baseline runs those)
+            pids = sorted(pids if isinstance(pids, list) else pids())
             mem = _idle_memory(pids, {pool.reaper_pid: "toolpool reaper"})
         c0 = time.perf_counter()
         await pool.aclose()
@@ -1248,7 +1249,9 @@ async def _tp_add_worker(sz: dict[str, Any], method: str) -> list[dict[str, Any]
         for _ in range(sz["cold_repeats"]):
             gc.collect()
             t0 = time.perf_counter()
-            w = pool._core._spawn()
+            core = pool._core
+            default = getattr(core, "default", None)  # (a provider's, since issue 17)
+            w = core._spawn(default) if default is not None else core._spawn()
             pool._pump()
             while not w.answered:
                 await pool._wait_changed()

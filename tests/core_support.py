@@ -3,10 +3,11 @@ that answers from plain dicts, and a core with workers already said hello."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from toolpool.supervisor._core import PoolCore
-from toolpool.supervisor._records import Send, WorkerRecord
+from toolpool.supervisor._records import ProviderRecord, Send, WorkerRecord
 from toolpool.supervisor._results import WorkerState
 from toolpool.supervisor._state import CoreConfig
 
@@ -49,20 +50,34 @@ def core_with_workers(
     probe = FakeProbe()
     core = PoolCore(CoreConfig(**options), probe, lambda: b"secret")
     core.starting = False
-    core.catalog["noop"] = {"name": "noop"}
-    core.threaded.add("noop")
+    p = serve(core, ["noop"], threaded=["noop"])
     workers = []
     for wid in range(1, n + 1):
-        w = WorkerRecord(wid, b"secret")
+        w = WorkerRecord(wid, b"secret", p)
         w.state = WorkerState.READY
         w.answered = True
         w.pid = 1000 + wid
         w.start_method = "fork"
         core.workers[wid] = w
         if ready:
-            core.ready.append(w)
+            p.ready.append(w)
         workers.append(w)
     return core, workers, probe
+
+
+def serve(core: PoolCore, tools: Iterable[str], *, threaded: Iterable[str] = ()) -> ProviderRecord:
+    """Make the core's default provider active with ``tools``, as if its workers had said
+    hello (they are the test's to add)."""
+    p = core.pending.pop("default")
+    p.state = "active"
+    p.starting = False
+    core.providers["default"] = p
+    for tool in tools:
+        p.catalog[tool] = {"name": tool}
+        core.owner[tool] = p
+        core.catalog[tool] = {"name": tool, "provider": "default"}
+    p.threaded |= set(threaded)
+    return p
 
 
 def sent(actions: list[Any], wid: int) -> list[bytes]:

@@ -53,12 +53,14 @@ from toolpool.protocol import (
 from toolpool.protocol import Result as ResultMessage
 from toolpool.supervisor._core import PoolCore
 from toolpool.supervisor._records import (
+    Autoscale,
     CallRecord,
     Clean,
     Close,
     GroupRecord,
     Kill,
     Orphaned,
+    ProviderSpec,
     RestartReaper,
     Send,
     Settled,
@@ -78,6 +80,13 @@ TOOLS = {
     "leaves": True,  # returns leaving a process behind (clean-up before settling)
     "async": False,  # a cooperative async body: calls never queue behind it
 }
+#: The tools of the provider "extra", added, removed, reloaded and resized by the schedule
+#: ("default" has TOOLS; both may be removed and re-added).
+EXTRA = {
+    "x_quick": True,
+    "x_coop": True,
+}
+PROVIDER_TOOLS = {"default": TOOLS, "extra": EXTRA}
 CANCEL_GRACE = 1.0
 TERM_GRACE = 0.5
 START_TIMEOUT = 5.0
@@ -139,6 +148,7 @@ class World:
             term_grace=TERM_GRACE,
             start_timeout=START_TIMEOUT,
             max_start_failures=1000,
+            drain_grace=0.5,
         )
         self.secrets = iter(range(1, 1 << 30))
         self.core = PoolCore(config, self.probe, lambda: b"s%032d" % next(self.secrets))
@@ -151,6 +161,8 @@ class World:
         self.settled: dict[int, int] = collections.Counter()
         self.invoked_by: dict[int, list[int]] = collections.defaultdict(list)  # call -> wids
         self.sent_after_group_cancel: list[int] = []
+        self.misrouted: list[str] = []  # calls sent to a worker not of their tool's provider
+        self.refused = 0  # submits the shell would refuse (UnknownToolError)
         self.next_id = 1
         self.steps = 0
         self.closing = False
@@ -174,7 +186,8 @@ class World:
             w.lingers = self.rng.random() < 0.2
             self.workers[action.wid] = w
             self.probe.marks_of[action.wid] = (0, 0)
-            tools = [{"name": n, "runs_in_thread": t} for n, t in TOOLS.items()]
+            listed = PROVIDER_TOOLS[action.provider]
+            tools = [{"name": n, "runs_in_thread": t} for n, t in listed.items()]
             w.outbox.append(Hello(PROTOCOL_VERSION, w.pid, action.secret, tools, {}))
             self.reports.append(("spawned", action.wid, w.pid))
         elif isinstance(action, Send):
@@ -186,6 +199,9 @@ class World:
                 msg = decode_from_supervisor(frame)
                 if isinstance(msg, Call):
                     call = self.calls[msg.call_id - 1]
+                    p = core.workers[action.wid].provider
+                    if call.tool not in p.catalog or p.state != "active":
+                        self.misrouted.append(f"call {call.id} ({call.tool}) to {p!r}")
                     group = call._group
                     if group is not None and id(group) in self.group_cancelled_at:
                         self.sent_after_group_cancel.append(call.id)
@@ -241,7 +257,11 @@ class World:
             _, tool_i, group_i, timeout_i = step
             if self.closing or core.broken is not None:
                 return
-            tool = list(TOOLS)[tool_i % len(TOOLS)]
+            names = [*TOOLS, *EXTRA]
+            tool = names[tool_i % len(names)]
+            if tool not in core.owner:
+                self.refused += 1  # the shell raises UnknownToolError
+                return
             group = self.groups[group_i] if group_i < len(self.groups) else None
             call = CallRecord(self.next_id, tool, pack_value({}), group, self.now)
             self.next_id += 1
@@ -297,6 +317,8 @@ class World:
                         w.exit_status = -9
                         w.tree = True
                 core.reaper_lost(self.now)
+        elif kind == "provider" and not self.closing:
+            self.provider_step(step[1], step[2], step[3])
         elif kind == "tick":
             dt = (0.001, 0.006, 0.06, 0.3, 0.6, 1.1, 2.5)[step[1] % 7]
             if dt >= TERM_GRACE:
@@ -309,6 +331,31 @@ class World:
             self.now += dt
             core.timer(self.now)
         self.flush()
+
+    def provider_step(self, op: int, which: int, size: int) -> None:
+        """Add, remove, reload or resize a provider, as the shell would ask (it checks the
+        name first)."""
+        core = self.core
+        name = ("default", "extra")[which % 2]
+        known = name in core.providers or name in core.pending
+        op %= 5
+        if op == 0 and not known:
+            spec = ProviderSpec(
+                tools_spec=f"sim:{name}",
+                size=1 + size % 3,
+                warm_spares=0,
+                prefetch=core.config.prefetch,
+            )
+            core.add_provider(name, spec, self.now)
+        elif op == 1 and known:
+            core.remove_provider(name, "removed", self.now)
+        elif op == 2 and name in core.providers and name not in core.pending:
+            core.reload_provider(name, self.now)
+        elif op == 3 and known:
+            core.resize(name, 1 + size % 3, self.now, force=size % 2 == 0)
+        elif op == 4 and known:
+            policy = Autoscale(minimum=1, maximum=1 + size % 3, grow_after=0.05, idle_after=0.5)
+            core.autoscale(name, policy if size % 3 else None, self.now)
 
     def deliver(self, w: FakeWorker) -> None:
         """The core reads w's next message (the shell does so whenever it arrives)."""
@@ -392,11 +439,13 @@ class World:
             w.invoked_mark = body.call_id + 1
             self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
             self.invoked_by[call.id].append(w.wid)
-            if body.tool in ("slow", "coop", "stubborn", "async") and self.rng.random() < 0.7:
+            if body.tool.removeprefix("x_") in ("slow", "coop", "stubborn", "async") and (
+                self.rng.random() < 0.7
+            ):
                 w.outbox.append(Started(body.call_id))
             return
         body.steps += 1
-        tool = body.tool
+        tool = body.tool.removeprefix("x_")  # (extra's tools behave as their namesakes)
         if tool == "crash":
             self.die(w, 1)
         elif tool == "quick" or (tool == "slow" and body.steps >= 3):
@@ -481,6 +530,19 @@ class World:
             raise Violation(
                 f"calls sent after their group's cancel: {self.sent_after_group_cancel}"
             )
+        if self.misrouted:
+            raise Violation(f"calls sent where their provider is not: {self.misrouted}")
+        for p in [*core.providers.values(), *core.draining]:
+            for w in p.ready:
+                if w.provider is not p:
+                    raise Violation(f"{w!r} idle in the wrong provider {p!r}")
+        for p in [*core.providers.values(), *core.pending.values()]:
+            serving = core._serving_count(p)
+            if serving > p.spec.size + p.spec.warm_spares:
+                raise Violation(f"{p!r} has {serving} workers serving, sized {p.spec.size}")
+            policy = p.autoscale
+            if policy is not None and not policy.minimum <= p.spec.size <= policy.maximum:
+                raise Violation(f"{p!r} autoscaled to {p.spec.size}, outside {policy}")
         for call_id, wids in self.invoked_by.items():
             if len(wids) > 1:
                 raise Violation(f"call {call_id} ran {len(wids)} times: {wids}")
@@ -567,6 +629,7 @@ STEP_KINDS = (
     ("crash", 1),
     ("garbage", 1),
     ("reaper_lost", 0.3),
+    ("provider", 0.6),
 )
 
 
@@ -584,6 +647,8 @@ def make_schedule(seed: int, length: int) -> list[tuple[Any, ...]]:
             steps.append((kind, rng.randrange(8), rng.randrange(3)))
         elif kind in ("report", "reaper_lost"):
             steps.append((kind,))
+        elif kind == "provider":
+            steps.append((kind, rng.randrange(5), rng.randrange(2), rng.randrange(6)))
         else:
             steps.append((kind, rng.randrange(1000)))
     return steps
@@ -604,7 +669,8 @@ def run(seed: int, steps: list[tuple[Any, ...]]) -> World:
     world.core.start(world.now)
     world.flush()
     for _ in range(200):  # start-up: hellos and the reaper's reports
-        if world.core.ready_count() >= world.core.config.size + world.core.config.warm_spares:
+        default = world.core.default
+        if default is None or default.state != "starting":
             break
         for w in list(world.workers.values()):
             while w.outbox:

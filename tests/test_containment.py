@@ -47,7 +47,7 @@ def anyio_backend() -> str:
 
 
 def _cgroup_dirs(pool: toolpool.Pool) -> list[str]:
-    cgroups = pool._cgroups
+    cgroups = pool._options["default"].cgroups
     return sorted(set(cgroups.base.values())) if cgroups is not None else []
 
 

@@ -472,7 +472,7 @@ def test_supervisor_sigkill_while_hostile_tools_run(
                 escaper = pool.submit("leave_cgroup", {{"marker": {marker!r}}})
                 await bomb.wait_started()
                 await escaper.wait_started()
-                cgroups = sorted(set(pool._cgroups.base.values())) if pool._cgroups else []
+                cgroups = _cgroup_bases(pool)
                 emit(
                     workers=pool.worker_pids,
                     methods=sorted(pool.worker_start_methods.values()),
@@ -564,7 +564,9 @@ def test_a_worker_that_says_a_tool_runs_elsewhere_than_the_others_say_is_refused
 
     core = PoolCore(CoreConfig(tools_spec="x:y", size=2), FakeProbe(), lambda: b"s" * 32)
     core.starting = False
-    first, second = (WorkerRecord(wid, b"s" * 32) for wid in (1, 2))
+    provider = core.pending["default"]
+    provider.starting = False  # (after its start: a start failure does not fail it at once)
+    first, second = (WorkerRecord(wid, b"s" * 32, provider) for wid in (1, 2))
     for w in (first, second):
         core.workers[w.wid] = w
     tools = [{"name": "wait", "runs_in_thread": False}, {"name": "nap", "runs_in_thread": True}]
@@ -578,4 +580,10 @@ def test_a_worker_that_says_a_tool_runs_elsewhere_than_the_others_say_is_refused
     assert core.threaded == {"nap"}
     assert second.catalog == {}
     assert second.state is WorkerState.QUARANTINED
-    assert second not in core.ready
+    assert second not in provider.ready
+
+
+def _cgroup_bases(pool: toolpool.Pool) -> list[str]:
+    """The pool's default provider's cgroup directories (white box)."""
+    cgroups = pool._options["default"].cgroups
+    return sorted(set(cgroups.base.values())) if cgroups else []

@@ -1027,6 +1027,7 @@ async def test_a_workers_fatal_read_only_after_its_tree_is_reported_gone_still_c
     supervisor only after the reaper reported the worker exited *and* its tree gone (the
     socket's I/O thread lagging behind the reaper). The traceback must still be reported:
     the socket stays open and read until the fatal is in, or the wait for it ends."""
+    import toolpool._transport as transport
     import toolpool.supervisor._pool as pool_module
     import toolpool.supervisor._workerio as workerio
 
@@ -1039,7 +1040,7 @@ async def test_a_workers_fatal_read_only_after_its_tree_is_reported_gone_still_c
         elif not io.sock.closed:
             # Nothing has arrived yet, as far as the supervisor can tell. (Looking consumes
             # the socket's notification, so its reader is not called again and again.)
-            pool_module.readable(io.sock)
+            transport.readable(io.sock)
 
     def reaper_event(pool: Any, event: dict[str, Any]) -> None:
         on_event(pool, event)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import toolpool
+from core_support import serve
 from pool_support import FakeWorkerSocket
 from toolpool import Outcome
 from toolpool.protocol import Call, Result, Started, decode_from_supervisor, encode, pack_value
@@ -52,16 +53,16 @@ async def test_serving_a_fast_worker_does_not_nest_per_call(anyio_backend: str) 
         io = WorkerIO(1, "ipc://fake", sock, os.dup(ledger.fileno()))  # type: ignore[arg-type]
         pool._io[1] = io
         core = pool._core
-        w = WorkerRecord(1, b"secret")
+        p = serve(core, ["noop"])
+        w = WorkerRecord(1, b"secret", p)
         w.state = WorkerState.READY
         w.answered = True
         core.workers[1] = w
-        core.catalog["noop"] = {"name": "noop"}
         core.starting = False
         pool._state = "running"
         # Queue every call first, then let the worker become ready: one pump serves them all.
         calls = [pool.submit("noop") for _ in range(CALLS)]
-        core.ready.append(w)
+        p.ready.append(w)
         core._dispatch()  # the first call; each later one is dispatched from a result
         pool._pump()
         results: list[Any] = [call.result() for call in calls]

@@ -34,13 +34,13 @@ def test_a_call_back_in_the_pools_queue_is_not_marked_as_being_recalled(
     monkeypatch.setattr(dispatch_module, "QUEUE_BEHIND_FOR", 3600.0)  # young unless made old
     core, (w1, w2), _ = core_with_workers(2, ready=False)
     now = 100.0
-    core.ready.append(w1)
+    w1.provider.ready.append(w1)
     head1, a, b = (CallRecord(i, "noop", b"\x80", None, now) for i in (1, 2, 3))
     for call in (head1, a, b):
         core.submit(call, timeout=None, now=now)
     out = core.flush(now)
     assert list(w1.calls) == [head1, a, b]
-    core.ready.append(w2)
+    w2.provider.ready.append(w2)
     head2 = CallRecord(4, "noop", b"\x80", None, now)
     core.submit(head2, timeout=None, now=now)
     out += core.flush(now)

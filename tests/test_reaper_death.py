@@ -70,7 +70,11 @@ async def test_the_reaper_killed_mid_call_with_a_cgroup() -> None:
             old_reaper = pool.reaper_pid
             assert old_reaper is not None
             pool_dir = pool._dir
-            cgroup_dirs = sorted(set(pool._cgroups.base.values())) if pool._cgroups else []
+            cgroup_dirs = (
+                sorted(set(pool._options["default"].cgroups.base.values()))
+                if pool._options["default"].cgroups
+                else []
+            )
             result, worker, _daemon, daemon_alive = await _kill_reaper_during_a_call(
                 pool, ready, marker
             )
@@ -189,3 +193,9 @@ async def test_the_reaper_killed_while_idle_and_while_closing() -> None:
         await pool.aclose()  # (in the nesting that started it: see Pool.aclose)
     assert not any(_alive(p) for p in pids)
     assert workers_of_reaper(first) == []
+
+
+def _cgroup_bases(pool: toolpool.Pool) -> list[str]:
+    """The pool's default provider's cgroup directories (white box)."""
+    cgroups = pool._options["default"].cgroups
+    return sorted(set(cgroups.base.values())) if cgroups else []

@@ -171,7 +171,7 @@ async def test_workers_die_with_their_reaper(start_method: Any) -> None:
         workers = [psutil.Process(pid) for pid in pool.worker_pids]
         assert len(workers) == 2
         assert all(w.ppid() == reaper for w in workers)
-        cgroups = pool._cgroups
+        cgroups = pool._options["default"].cgroups
         bases = sorted(set(cgroups.base.values())) if cgroups is not None else []
         pool_dir = pool._dir
         os.kill(reaper, signal.SIGKILL)

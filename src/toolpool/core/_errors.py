@@ -13,6 +13,7 @@ __all__ = (
     "PoolClosedError",
     "RemoteProtocolError",
     "ToolDenied",
+    "ToolConflictError",
     "ToolpoolError",
     "UnknownToolError",
     "WorkerLost",
@@ -47,6 +48,10 @@ class UnknownToolError(ToolpoolError, LookupError):
     """No ready worker provides a tool of that name."""
 
 
+class ToolConflictError(ConfigurationError):
+    """Two providers define a tool of the same name (the second is refused)."""
+
+
 class PoolClosedError(ToolpoolError):
     """You closed the pool (or it is closing): no new calls are accepted."""
 
@@ -72,6 +77,7 @@ for _cls in (
     ToolDenied,
     ConfigurationError,
     UnknownToolError,
+    ToolConflictError,
     PoolClosedError,
     WorkerStartError,
     WorkerLost,

@@ -1,8 +1,7 @@
 """The shell's channels: starting a worker (its socket, files, the reaper's spawn), reading
 what it sends, watching its connection; the reaper's reports; and, after the reaper died,
 ending its workers' trees without it and starting a new one. Each turns what happens into
-an event of the core (``_core.py``) and lets the pool perform what the core asks
-(``Pool._pump``)."""
+an event of the core (``_core.py``); ``_pump`` then performs what the core asks."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import struct
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 import anyio.abc
@@ -25,9 +24,30 @@ from .._transport import fd_of, on_readable, readable
 from ..protocol import ProtocolViolation, decode_from_worker
 from ..reaper import ReaperClient
 from ..sandbox import Profile
-from ..sandbox._cgroups import CgroupSet
+from ._containment import warn_inactive_layers
 from ._core import PoolCore
-from ._results import WorkerState
+from ._hosting import ProviderOptions
+from ._records import (
+    Action,
+    Changed,
+    Clean,
+    Close,
+    FirstHello,
+    Kill,
+    Orphaned,
+    ProviderDown,
+    ProviderResized,
+    ProviderUp,
+    RestartReaper,
+    Send,
+    Settled,
+    Spawn,
+    Started,
+    Terminate,
+    WorkerDown,
+    WorkerUp,
+)
+from ._results import ContainmentReport, WorkerState
 from ._workerio import (
     KILL_WAIT,
     WorkerIO,
@@ -42,35 +62,41 @@ from ._workerio import (
 
 __all__ = ("Channels",)
 
+if TYPE_CHECKING:
+    from ._calls import Call
+
 _log = logging.getLogger("toolpool.supervisor")
+_PROVIDER_ACTIONS: Final = (ProviderUp, ProviderDown, ProviderResized, WorkerUp, WorkerDown)
 
 
 class Channels:
     """The part of :class:`toolpool.Pool` that talks to its workers and its reaper."""
 
     # (the pool's, set in Pool.__init__ and Pool.start)
-    tools_spec: str
     max_frame: int
     start_timeout: float
     start_method: str
     profile: Profile
-    allow_background: bool
-    capture_output: int | None
     worker_output: str
     _env: Mapping[str, str] | None
+    _options: dict[str, ProviderOptions]
     _core: PoolCore
     _io: dict[int, WorkerIO]
     _closing: set[WorkerIO]
     _ctx: zmq.Context[zmq.Socket[bytes]] | None
     _dir: str | None
-    _cgroups: CgroupSet | None
     _reaper: ReaperClient | None
     _tg: anyio.abc.TaskGroup | None
     _fork_warned: bool
     _reaper_closing: bool
+    _pumping: bool
+    _clock_at: float
+    _clock_wake: anyio.Event | None
+    _changed: anyio.Event | None
 
-    def _pump(self) -> None:
-        raise NotImplementedError
+    # (Pool's and Hosting's: annotations only, never stubs, which would shadow them)
+    containment: Callable[..., ContainmentReport]
+    _on_provider_action: Callable[[Any], None]
 
     def _start_task(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         raise NotImplementedError
@@ -87,24 +113,30 @@ class Channels:
     def _owned(self) -> list[str]:
         """The pool's directories, for the reaper to remove should the supervisor die."""
         assert self._dir is not None
-        bases = sorted(set(self._cgroups.base.values())) if self._cgroups else []
-        return [self._dir, *bases]
+        bases = {
+            base
+            for options in self._options.values()
+            if options.cgroups is not None
+            for base in options.cgroups.base.values()
+        }
+        return [self._dir, *sorted(bases)]
 
     # ------------------------------------------------------------------ workers
 
-    def _spawn(self, wid: int, secret: bytes) -> None:
+    def _spawn(self, wid: int, secret: bytes, provider: str) -> None:
         assert self._ctx is not None
         assert self._dir is not None
         assert self._reaper is not None
         assert self._tg is not None
-        profile = self.profile
+        options = self._options[provider]
+        profile = options.profile
         io = open_worker(
             self._ctx,
             self._dir,
             wid,
             max_frame=self.max_frame,
             profile=profile,
-            cgroup_set=self._cgroups,
+            cgroup_set=options.cgroups,
         )
         self._io[wid] = io
         argv = [
@@ -114,7 +146,7 @@ class Channels:
             "--endpoint",
             io.endpoint,
             "--tools",
-            self.tools_spec,
+            options.tools,
             "--parent-pid",
             str(self._reaper.pid),
             "--max-frame",
@@ -124,18 +156,18 @@ class Channels:
             "--cgroup-procs",
             ",".join(io.procs),
             "--capture",
-            str(self.capture_output or 0),
+            str(options.capture_output or 0),
             "--ledger",
             io.ledger,
             "--members",
             io.members_file if io.members_fd is not None and io.members_file else "",
         ]
-        if self.allow_background:
+        if options.allow_background:
             argv.append("--allow-background")
         self._reaper.spawn(
             wid,
             argv,
-            env=worker_env(self._env, profile, io.scratch),
+            env=worker_env(options.env, profile, io.scratch),
             stdin=secret + b"\n",
             output=self.worker_output,
             cwd=io.scratch,
@@ -319,3 +351,104 @@ class Channels:
             self._start_task(reaper.run)
         self._core.reaper_ready(time.monotonic())
         self._pump()
+
+    # ------------------------------------------------------------------ performing actions
+
+    def _pump(self) -> None:
+        """Perform what the core asks until it asks nothing more. Sending may consume the
+        edge of zmq's notification fd: what arrived meanwhile is read here, in the loop (a
+        fast worker that answers at once costs a turn of this loop, never a stack frame)."""
+        if self._pumping:
+            return  # the loop further up performs it
+        self._pumping = True
+        core = self._core
+        try:
+            while True:
+                actions = core.flush(time.monotonic())
+                if not actions:
+                    break
+                more = False
+                for io in self._perform(actions):
+                    if not io.sock.closed and readable(io.sock):
+                        self._read(io)
+                        more = True
+                if not more and not core.due():
+                    break  # (nothing read, nothing new: the next flush would be empty)
+        finally:
+            self._pumping = False
+        timers = core.timers  # (next_deadline, inline: once per call)
+        if timers and timers[0][0] < self._clock_at and self._clock_wake is not None:
+            self._clock_wake.set()
+
+    def _perform(self, actions: list[Action]) -> list[WorkerIO]:
+        """Perform the core's actions in order; return the workers sent to."""
+        sent_to: list[WorkerIO] = []
+        core = self._core
+        reaper = self._reaper if core.reaper_up else None
+        for action in actions:
+            kind = type(action)
+            if kind is Settled:
+                call: Call = action[0]  # type: ignore[misc,assignment]  # wake its waiters
+                if call._event is not None:
+                    call._event.set()
+                if call._started_event is not None:
+                    call._started_event.set()
+            elif kind is Send:
+                send: Send = action  # type: ignore[assignment]
+                io = self._io.get(send.wid)
+                try:
+                    if io is None or io.sock.closed:
+                        raise zmq.ZMQError(zmq.ENOTSOCK)
+                    if len(send.frames) == 1:
+                        frame = send.frames[0]
+                        io.sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+                    else:
+                        io.sock.send_multipart(send.frames, zmq.NOBLOCK, copy=False)
+                except zmq.ZMQError:
+                    if send.calls:
+                        core.send_failed(send.wid, send.calls, time.monotonic())
+                    continue
+                if io not in sent_to:
+                    sent_to.append(io)
+            elif kind is Started:
+                action[0]._wake_started()  # type: ignore[union-attr,misc]
+            elif kind is Changed:
+                if self._changed is not None:
+                    self._changed.set()
+                    self._changed = None
+            elif kind is Spawn:
+                spawn = cast(Spawn, action)
+                try:
+                    self._spawn(spawn.wid, spawn.secret, spawn.provider)
+                except Exception as exc:
+                    _log.exception("worker %s could not be started", spawn.wid)
+                    now = time.monotonic()
+                    core.spawn_failed(spawn.wid, f"{type(exc).__name__}: {exc}", now)
+            elif kind is Close:
+                io = self._io.pop(cast(Close, action).wid, None)
+                if io is not None:
+                    # Its tasks close the socket as they end (none may wait on it then);
+                    # closing the pool closes what is left.
+                    io.close_files()
+                    self._closing.add(io)
+            elif kind is Kill:
+                if reaper is not None:
+                    reaper.kill_tree(cast(Kill, action).wid)
+            elif kind is Terminate:
+                if reaper is not None:
+                    reaper.signal_tree(cast(Terminate, action).wid, signal.SIGTERM)
+            elif kind is Clean:
+                if reaper is not None:
+                    reaper.clean(cast(Clean, action).wid)
+            elif kind is FirstHello:
+                name = cast(FirstHello, action).provider
+                if name in self._options:
+                    warn_inactive_layers(self._options[name].profile, self.containment(name))
+            elif kind in _PROVIDER_ACTIONS:
+                self._on_provider_action(action)
+            elif kind is Orphaned:
+                if self._tg is not None:
+                    self._start_task(self._end_orphan, cast(Orphaned, action).wid)
+            elif kind is RestartReaper and self._tg is not None:
+                self._start_task(self._restart_reaper)
+        return sent_to

@@ -22,7 +22,7 @@ from typing import Any, Final
 
 from ..core import CancelCause
 from ..protocol import ProtocolViolation
-from ._lifecycle import Lifecycle
+from ._providers import Providers
 from ._records import Action, CallRecord, CallState, GroupRecord, Kill, WorkerRecord
 from ._results import WorkerState
 
@@ -35,19 +35,20 @@ _PARENT: Final = CancelCause("parent")
 _TIMEOUT: Final = CancelCause("timeout")
 
 
-class PoolCore(Lifecycle):
+class PoolCore(Providers):
     """The pool's decisions (CONTRACT C4, C5, C7), as a synchronous state machine."""
 
     # ------------------------------------------------------------------ the pool
 
     def start(self, now: float) -> None:
-        """Start the pool's workers (its size, plus warm spares)."""
+        """Start the workers of the providers there are (the default one: its size, plus
+        warm spares)."""
         self.now = now
-        for _ in range(self.config.size + self.config.warm_spares):
-            self._spawn()
+        for p in list(self.pending.values()):
+            self._top_up(p)
 
     def started(self) -> None:
-        """Start-up is over: from now on a start failure counts toward max_start_failures."""
+        """The pool's start-up is over."""
         self.starting = False
 
     def ready_count(self) -> int:
@@ -99,9 +100,7 @@ class PoolCore(Lifecycle):
         if timeout is not None:
             call._deadline = now + timeout
             self._arm(call._deadline, "deadline", call.id)
-        self.queue.append(call)
-        call._queued = True
-        self._dispatch()
+        self._enqueue(call)
 
     def cancel(self, call: CallRecord, cause: CancelCause, *, force: bool, now: float) -> None:
         """A cancel request for one call (validated by the shell)."""
@@ -230,7 +229,11 @@ class PoolCore(Lifecycle):
             elif kind == "hello":
                 self._hello_overdue(key)
             elif kind == "respawn":
-                self._respawn_due()
+                self._respawn_due(key)
+            elif kind == "drain":
+                self.drain_due(key)
+            elif kind == "scale":
+                self.scale_due(key)
 
     def due(self) -> bool:
         """Whether ``flush`` has anything to do or return."""

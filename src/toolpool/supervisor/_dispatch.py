@@ -1,5 +1,6 @@
-"""The call queue: which worker gets the next call, calls queued in busy workers (prefetch),
-taking them back (recall, stealing), and putting calls back at the front of the queue."""
+"""The call queues, one per provider: which worker gets the next call, calls queued in busy
+workers (prefetch), taking them back (recall, stealing), and putting calls back at the front
+of the queue."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Final
 from ..core import CancelCause
 from ..protocol import Call as CallMessage
 from ..protocol import Recall, Resume, encode
-from ._records import CallRecord, CallState, Send, WorkerRecord
+from ._records import CallRecord, CallState, ProviderRecord, Send, WorkerRecord
 from ._results import Rung, WorkerState
 from ._settlement import Settlement
 
@@ -37,27 +38,35 @@ class Dispatch(Settlement):
     def _dispatch_once(self) -> None:
         if self.closing:
             return  # what is still queued settles as aborted_before_dispatch (disposed)
-        queue = self.queue
+        for p in self.providers.values():
+            if p.queue and p.state == "active":
+                self._dispatch_provider(p)
+            elif p.spec.prefetch and p.state == "active":
+                self._steal(p, self.now)
+
+    def _dispatch_provider(self, p: ProviderRecord) -> None:
+        queue = p.queue
         batches: dict[WorkerRecord, list[CallRecord]] = {}
         now = self.now
         while queue:
             call = queue[0]
             if call._state is not CallState.QUEUED:  # settled while queued
                 queue.popleft()
-                self._settled_in_queue = max(0, self._settled_in_queue - 1)
+                p.settled_in_queue = max(0, p.settled_in_queue - 1)
                 continue
             group = call._group
             if group is not None and group.cancelled:  # C5.2: never dispatched after its cancel
                 self._abort_queued(call, group.signal.reason or _PARENT)  # (drops it)
                 continue
-            w = self._pick(now)
+            w = self._pick(p, now)
             if w is None:
                 break
             queue.popleft()
             call._queued = False
+            call._provider = None
             if not w.calls:
-                if w in self.ready:
-                    self.ready.remove(w)
+                if w in p.ready:
+                    p.ready.remove(w)
                 w.head_since = now
                 w.state = WorkerState.BUSY
                 self.probe.reset_peak(w.wid)  # the call's peak starts now
@@ -65,8 +74,8 @@ class Dispatch(Settlement):
             call._worker = w
             call._state = CallState.SENT
             batches.setdefault(w, []).append(call)
-        if self._settled_in_queue:
-            self._compact_queue()  # (what went out may leave it mostly settled calls)
+        if p.settled_in_queue:
+            self._compact_queue(p)  # (what went out may leave it mostly settled calls)
         out = self._out
         for w, calls in batches.items():
             # One multipart message per worker: one wake-up of zmq's I/O thread for all of
@@ -75,31 +84,35 @@ class Dispatch(Settlement):
             for call in calls:
                 call._times["dispatched"] = now
             out.append(_new_send(Send, (w.wid, frames, tuple(calls))))
-        if self.config.prefetch:
-            self._steal(now)
+        if p.spec.prefetch:
+            self._steal(p, now)
 
-    def _pick(self, now: float) -> WorkerRecord | None:
-        """The worker for the next queued call: an idle one (within the warm-spare limit),
-        else the busy one with the fewest calls that may queue one more (``prefetch``)."""
-        ready = self.ready
-        spares = self.config.warm_spares
-        while ready and not (spares and self._serving() >= self.config.size):
+    def _pick(self, p: ProviderRecord, now: float) -> WorkerRecord | None:
+        """The worker of p for its next queued call: an idle one (within the warm-spare
+        limit), else the busy one with the fewest calls that may queue one more
+        (``prefetch``)."""
+        ready = p.ready
+        spec = p.spec
+        spares = spec.warm_spares
+        while ready and not (spares and self._serving(p) >= spec.size):
             w = ready[-1]
             if w.state is WorkerState.READY and not w.gone and not w.calls:
                 return w
             ready.pop()
-        prefetch = self.config.prefetch
+        prefetch = spec.prefetch
         if not prefetch:
             return None
         best: WorkerRecord | None = None
         limit = prefetch + 1
-        threaded = self.threaded
+        threaded = p.threaded
         for w in self.workers.values():
             n = len(w.calls)
             if (
                 0 < n < limit
+                and w.provider is p
                 and w.state is WorkerState.BUSY
                 and not w.gone
+                and not w.draining
                 and (best is None or n < len(best.calls))
                 # Only behind bodies that leave the worker's loop free to withdraw it: an
                 # async body can hold the loop (and the queue) for as long as it runs. (The
@@ -113,18 +126,16 @@ class Dispatch(Settlement):
                 best = w
         return best
 
-    def _steal(self, now: float) -> None:
-        """Take back calls waiting in busy workers' queues: all of those waiting behind a
+    def _steal(self, p: ProviderRecord, now: float) -> None:
+        """Take back calls waiting in p's busy workers' queues: all of those waiting behind a
         call that has been first in line for ``QUEUE_BEHIND_FOR`` or longer (they go to the
-        front of the pool's queue); and while nothing is queued here but a worker is idle,
-        as many as there are idle workers, to run on them."""
-        if not self.config.prefetch:
-            return
-        idle = len(self.ready)
-        if self.queue or (self.config.warm_spares and self._serving() >= self.config.size):
+        front of p's queue); and while nothing is queued here but a worker is idle, as many
+        as there are idle workers, to run on them."""
+        idle = len(p.ready)
+        if p.queue or (p.spec.warm_spares and self._serving(p) >= p.spec.size):
             idle = 0
         for w in list(self.workers.values()):
-            if len(w.calls) < 2 or w.state is not WorkerState.BUSY:
+            if len(w.calls) < 2 or w.state is not WorkerState.BUSY or w.provider is not p:
                 continue
             stuck = now - w.head_since >= QUEUE_BEHIND_FOR
             if not stuck and idle <= 0:
@@ -137,6 +148,23 @@ class Dispatch(Settlement):
                 elif self._recall(w, call):
                     idle -= 1
 
+    def _enqueue(self, call: CallRecord, *, front: bool = False) -> None:
+        """Queue call for the provider its tool resolves to now; a tool no provider has any
+        more (its provider was removed) settles it, never started (cause ``disposed``)."""
+        p = self.owner.get(call.tool)
+        if p is None:
+            self._abort_queued(call, _DISPOSED)
+            return
+        if front:
+            p.queue.appendleft(call)
+        else:
+            p.queue.append(call)
+        call._queued = True
+        call._provider = p
+        if p.broken is not None:  # it fails like the rest of its queue did
+            self._fail_queue(p)
+        self._dispatch()
+
     def _requeue(self, call: CallRecord) -> None:
         """A call its worker never took up goes back to the front of the queue."""
         call._worker = None
@@ -148,14 +176,10 @@ class Dispatch(Settlement):
         if self.closing:  # nothing is dispatched any more
             self._abort_queued(call, _DISPOSED)
             return
-        self.queue.appendleft(call)
-        call._queued = True
-        if self.broken is not None:  # nor here: it fails like the rest of the queue did
-            self._fail_queue()
-        self._dispatch()
+        self._enqueue(call, front=True)
 
-    def _serving(self) -> int:
-        return sum(1 for w in self.workers.values() if w.calls)
+    def _serving(self, p: ProviderRecord) -> int:
+        return sum(1 for w in self.workers.values() if w.calls and w.provider is p)
 
     def _behind(self, w: WorkerRecord, call: CallRecord) -> list[CallRecord]:
         """The calls sent to w after call, still in w."""
@@ -179,6 +203,9 @@ class Dispatch(Settlement):
         self._send(w, encode(Recall(call.id)))
         return True
 
+    def _retire(self, w: WorkerRecord) -> None:
+        raise NotImplementedError  # (_escalation.py)
+
     def _send(self, w: WorkerRecord, frame: bytes) -> None:
         """Send a control frame to w (if it is gone, nobody reads it: nothing is lost)."""
         if not w.gone:
@@ -194,6 +221,9 @@ class Dispatch(Settlement):
             if w.state is WorkerState.CLEANING and w.pending is None and not w.holding:
                 w.state = WorkerState.BUSY
             if w.state is WorkerState.BUSY and not w.calls:
-                w.state = WorkerState.READY
-                self.ready.append(w)
+                if w.draining or w.provider.state != "active":
+                    self._retire(w)  # (a shrink, or its provider was removed or reloaded)
+                else:
+                    w.state = WorkerState.READY
+                    w.provider.ready.append(w)
         self._dispatch_due = True  # (_dispatch, inline: once per call)

@@ -219,9 +219,10 @@ class Escalation(Dispatch):
 
     def _retire(self, w: WorkerRecord) -> None:
         """Tell w to exit once idle (it withdraws the calls it has not taken up)."""
-        if w in self.ready:
-            self.ready.remove(w)
+        if w in w.provider.ready:
+            w.provider.ready.remove(w)
         w.state = WorkerState.RETIRING
+        w.retired = True
         for call in w.calls:
             call._recalling = True
         self._send(w, encode(Shutdown()))
@@ -239,8 +240,8 @@ class Escalation(Dispatch):
                 violation,
                 extra={"worker_pid": w.pid, "violation": violation},
             )
-        if w in self.ready:
-            self.ready.remove(w)
+        if w in w.provider.ready:
+            w.provider.ready.remove(w)
         w.state = WorkerState.QUARANTINED
         if not w.gone and not w.orphaned:
             self._act(Kill(w.wid))

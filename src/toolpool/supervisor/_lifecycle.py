@@ -30,10 +30,13 @@ from ._records import (
     Close,
     FirstHello,
     Orphaned,
+    ProviderRecord,
     RestartReaper,
     Spawn,
     Started,
+    WorkerDown,
     WorkerRecord,
+    WorkerUp,
 )
 from ._results import Rung, WorkerState
 from ._settlement import describe_exit
@@ -58,16 +61,46 @@ def _spawning(w: WorkerRecord) -> bool:
 class Lifecycle(Escalation):
     """Worker lifecycle and messages."""
 
+    # (_providers.py)
+    def _maybe_activate(self, p: ProviderRecord) -> None:
+        raise NotImplementedError
+
+    def _provider_failed(self, p: ProviderRecord, error: Exception) -> None:
+        raise NotImplementedError
+
+    def _provider_gone(self, p: ProviderRecord) -> None:
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ start
 
-    def _spawn(self) -> WorkerRecord:
+    def _spawn(self, p: ProviderRecord) -> WorkerRecord:
         wid = next(self._wids)
-        w = WorkerRecord(wid, self._new_secret())
+        w = WorkerRecord(wid, self._new_secret(), p)
         self.workers[wid] = w
         self.started_count += 1
         self._arm(self.now + self.config.start_timeout, "hello", wid)
-        self._act(Spawn(wid, w.secret))
+        self._act(Spawn(wid, w.secret, p.name))
         return w
+
+    def _serving_count(self, p: ProviderRecord) -> int:
+        """p's workers that serve or will: not gone, retiring, draining or quarantined."""
+        return sum(
+            1
+            for w in self.workers.values()
+            if w.provider is p
+            and not w.gone
+            and not w.draining
+            and w.state not in (WorkerState.RETIRING, WorkerState.QUARANTINED)
+        )
+
+    def _top_up(self, p: ProviderRecord) -> list[WorkerRecord]:
+        """Start workers until p has its size plus its warm spares; the ones started."""
+        if self.closing or self.broken is not None or p.broken is not None or not p.live:
+            return []
+        if not self.reaper_up:
+            return []  # the new reaper starts a full complement
+        missing = p.spec.size + p.spec.warm_spares - self._serving_count(p)
+        return [self._spawn(p) for _ in range(missing)]
 
     def _hello_overdue(self, wid: int) -> None:
         w = self.workers.get(wid)
@@ -78,21 +111,25 @@ class Lifecycle(Escalation):
         w.start_failed = True
         w.answered = True
         self._quarantine(w, None)
-        self.start_failures += 1
+        p = w.provider
+        p.start_failures += 1
         _log.log(
             # At start the caller gets the error (WorkerStartError); later, only the log.
-            logging.INFO if self.starting else logging.WARNING,
+            logging.INFO if p.starting else logging.WARNING,
             "worker %s (pid %s) failed to start: %s",
             w.wid,
             w.pid,
             reason.strip().splitlines()[-1] if reason.strip() else reason,
             extra={"worker_pid": w.pid, "reason": reason},
         )
-        if self.start_failures >= self.config.max_start_failures or self.starting:
-            self.broken = WorkerStartError(
-                f"workers for {self.config.tools_spec!r} fail to start: {reason.strip()}"
+        if p.broken is None and (p.start_failures >= self.config.max_start_failures or p.starting):
+            p.broken = WorkerStartError(
+                f"workers for {p.spec.tools_spec!r} fail to start: {reason.strip()}"
             )
-            self._fail_queue()
+            if p.starting:
+                self._provider_failed(p, p.broken)
+            else:
+                self._fail_queue(p)
         self._act(Changed())
 
     def _violated(self, w: WorkerRecord, violation: str) -> None:
@@ -229,28 +266,32 @@ class Lifecycle(Escalation):
             if desc.pop("runs_in_thread", False):
                 threaded.add(desc["name"])
             catalog[desc["name"]] = desc
+        p = w.provider
+        if p.catalog and set(catalog) != set(p.catalog):
+            raise ProtocolViolation("its tools differ from the other workers'")
         for name, desc in catalog.items():
-            known = self.catalog.get(name)
+            known = p.catalog.get(name)
             # Where its body runs decides whether calls may queue behind it: a worker
             # that says otherwise than the others is refused, and changes nothing.
-            if known is not None and (
-                known != desc or (name in threaded) != (name in self.threaded)
-            ):
+            if known is not None and (known != desc or (name in threaded) != (name in p.threaded)):
                 raise ProtocolViolation(f"tool {name!r} differs from the other workers'")
-        self.threaded |= threaded
-        self.catalog.update(catalog)
+        p.threaded |= threaded
+        p.catalog.update(catalog)
         w.catalog = catalog
-        if self.worker_layers is None:
-            self.worker_layers = dict(msg.containment)
-            self._act(FirstHello(self.worker_layers))
+        if p.worker_layers is None:
+            p.worker_layers = dict(msg.containment)
+            self._act(FirstHello(p.worker_layers, p.name))
         w.state = WorkerState.READY
         w.answered = True
-        self.start_failures = 0
+        w.head_since = self.now  # (idle since: the autoscaler reads it)
+        p.start_failures = 0
         _log.debug("worker %s (pid %s) ready", w.wid, w.pid, extra={"worker_pid": w.pid})
-        if self.closing:
+        self._act(WorkerUp(w.wid, w.pid, p.name))
+        if self.closing or not p.live or w.draining:
             self._retire(w)
         else:
-            self.ready.append(w)
+            p.ready.append(w)
+            self._maybe_activate(p)
             self._dispatch()
         self._act(Changed())
 
@@ -263,6 +304,8 @@ class Lifecycle(Escalation):
             self._quarantine(w, f"hello sent by process {w.peer_pid}, not the worker")
         w.start_method = method
         _log.debug("worker %s started (pid %s, %s)", w.wid, pid, method, extra={"worker_pid": pid})
+        if w.state is WorkerState.READY:
+            self._maybe_activate(w.provider)
         self._act(Changed())
 
     def _on_exited(self, w: WorkerRecord, status: int, oom_kills: int) -> None:
@@ -307,8 +350,9 @@ class Lifecycle(Escalation):
         was_serving = was_serving and w.answered and not w.start_failed
         retired = w.state is WorkerState.RETIRING
         w.gone = True
-        if w in self.ready:
-            self.ready.remove(w)
+        p = w.provider
+        if w in p.ready:
+            p.ready.remove(w)
         pending, w.pending = w.pending, None
         if pending is not None:  # its body returned; the clean-up was overtaken by its death
             pending()
@@ -319,8 +363,13 @@ class Lifecycle(Escalation):
         w.state = WorkerState.EXITED
         del self.workers[w.wid]
         self._act(Close(w.wid))
+        self._act(WorkerDown(w.wid, w.pid, p.name, self._exit_kind(w, retired)))
         self._act(Changed())
         self._log_gone(w, retired=retired, held=held)
+        if p.state in ("draining", "failed") and not any(
+            x.provider is p for x in self.workers.values()
+        ):
+            self._provider_gone(p)
         if not w.awaiting_fatal:  # else: decided once the start failure is known
             self._maybe_replace(w, counts=was_serving)
         if not self.reaper_up:
@@ -331,7 +380,7 @@ class Lifecycle(Escalation):
         why = (
             w.violation
             or w.lost_reason
-            or describe_exit(w.exit_status, w.disconnected, w.oom_kills, self.config.memory_cap)
+            or describe_exit(w.exit_status, w.disconnected, w.oom_kills, w.provider.spec.memory_cap)
         )
         extra = {"worker_pid": w.pid, "exit_status": w.exit_status, "why": why}
         if retired or w.start_failed:
@@ -342,28 +391,42 @@ class Lifecycle(Escalation):
             during = " during a call" if held else ""
             _log.warning("worker %s (pid %s) died%s: %s", w.wid, w.pid, during, why, extra=extra)
 
+    def _exit_kind(self, w: WorkerRecord, retired: bool) -> str:
+        """Why w's tree is gone, as events say it: retired, crashed, killed or lost."""
+        if w.orphaned or w.violation is not None:
+            return "lost"
+        if w.escalated:
+            return "killed"
+        if retired or w.retired:  # (its connection drops as it exits: still retired)
+            return "retired"
+        if w.exit_status is None or (w.disconnected and w.exit_status == -9):
+            return "lost"  # (its connection dropped, and it was killed for that)
+        return "crashed"  # it died on its own (its connection dropped as it did)
+
     def _maybe_replace(self, w: WorkerRecord, *, counts: bool = False) -> None:
-        if self.closing or self.broken is not None:
+        p = w.provider
+        if self.closing or self.broken is not None or p.broken is not None or not p.live:
             return
         if counts:
             self.replaced += 1
         if not self.reaper_up:
             return  # the new reaper starts a full complement
         if w.start_failed:
-            self._arm(self.now + min(2.0, 0.05 * 2**self.start_failures), "respawn")
+            self._arm(self.now + min(2.0, 0.05 * 2**p.start_failures), "respawn", p.id)
         else:
-            new = self._spawn()
-            _log.info(
-                "worker %s (pid %s) replaced by worker %s",
-                w.wid,
-                w.pid,
-                new.wid,
-                extra={"worker_pid": w.pid},
-            )
+            for new in self._top_up(p):
+                _log.info(
+                    "worker %s (pid %s) replaced by worker %s",
+                    w.wid,
+                    w.pid,
+                    new.wid,
+                    extra={"worker_pid": w.pid},
+                )
 
-    def _respawn_due(self) -> None:
-        if not self.closing and self.broken is None and self.reaper_up:
-            self._spawn()
+    def _respawn_due(self, provider_id: int) -> None:
+        p = self._providers_by_id.get(provider_id)
+        if p is not None:
+            self._top_up(p)
 
     # ------------------------------------------------------------------ the reaper's death
 
@@ -376,7 +439,7 @@ class Lifecycle(Escalation):
         self.reaper_up = False
         if self.starting and self.broken is None:
             self.broken = WorkerStartError("the pool's reaper process went away")
-            self._fail_queue()
+            self._fail_queues()
         _log.error(
             "the pool's reaper process died; ending its workers' trees without it%s",
             "" if self.closing or self.broken else ", then starting a new one",
@@ -386,8 +449,8 @@ class Lifecycle(Escalation):
                 continue
             w.orphaned = True
             w.lost_reason = REAPER_DIED
-            if w in self.ready:
-                self.ready.remove(w)
+            if w in w.provider.ready:
+                w.provider.ready.remove(w)
             if w.state is not WorkerState.RETIRING:
                 w.state = WorkerState.QUARANTINED  # no call is sent to it any more
             self._act(Orphaned(w.wid))
@@ -408,9 +471,8 @@ class Lifecycle(Escalation):
         if self.closing or self.broken is not None:
             return
         _log.info("a new reaper serves the pool")
-        want = self.config.size + self.config.warm_spares
-        for _ in range(want - sum(1 for w in self.workers.values() if not w.gone)):
-            self._spawn()
+        for p in [*self.pending.values(), *self.providers.values()]:
+            self._top_up(p)
 
     def _reaper_failed(self, error: str) -> None:
         self.restarting = False
@@ -419,5 +481,5 @@ class Lifecycle(Escalation):
             self.broken = WorkerStartError(
                 f"the pool's reaper process went away and a new one did not start: {error}"
             )
-            self._fail_queue()
+            self._fail_queues()
         self._act(Changed())

@@ -14,22 +14,19 @@ import logging
 import math
 import os
 import secrets
-import signal
 import tempfile
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from types import MappingProxyType, TracebackType
-from typing import Any, Final, Literal, cast, final
+from typing import Any, Final, Literal, final
 
 import anyio
 import anyio.abc
 import zmq
 
-from .._transport import readable
 from ..core import (
     CancelCause,
-    ConfigurationError,
     PoolClosedError,
     UnknownToolError,
     WorkerStartError,
@@ -40,31 +37,27 @@ from ..protocol import (
     pack_value,
 )
 from ..reaper import CloseReport, ReaperClient, finish_cleanup
-from ..sandbox import Profile, parse_size
-from ..sandbox._cgroups import CgroupSet
+from ..sandbox import Profile
 from ._calls import Call, Group, await_call
 from ._channels import Channels
-from ._containment import containment_report, supervisor_layers, warn_inactive_layers
+from ._containment import containment_report
 from ._core import PoolCore
 from ._dispatch import QUEUE_BEHIND_FOR
+from ._events import Listeners, ProviderRemoved, ToolsChanged, frozen_catalog
+from ._hosting import (
+    DEFAULT_PREFETCH,
+    Hosting,
+    ProviderOptions,
+    check_count,
+    check_seconds,
+    prepare_layers,
+    provider_options,
+)
 from ._lifecycle import EXIT_TOOLS_FAILED
 from ._records import (
     KILLED_TEXT,
     TIMEOUT_TEXT,
     WORKER_LOST_TEXT,
-    Action,
-    Changed,
-    Clean,
-    Close,
-    FirstHello,
-    Kill,
-    Orphaned,
-    RestartReaper,
-    Send,
-    Settled,
-    Spawn,
-    Started,
-    Terminate,
 )
 from ._results import CallableDict, CallableList, ContainmentReport, Result, Statistics
 from ._state import CoreConfig
@@ -92,18 +85,16 @@ _PARENT: Final = CancelCause("parent")
 
 WorkerOutput = Literal["discard", "inherit"]
 StartMethod = Literal["fork", "spawn"]
-#: Calls a busy worker may hold queued (``Pool(prefetch=None)``), but see there. 16 (with 16
-#: results held back and 32 ledger slots of 32 KiB) took no-op throughput from 19.5k to 23k
-#: calls/s against prefetch 8 (docs/performance.md, "What bought what").
-DEFAULT_PREFETCH: Final = 16
 
 
 @final
-class Pool(Channels):
-    """A pool of worker processes running the tools of one registry.
+class Pool(Channels, Hosting):
+    """A pool of worker processes running the tools of its providers.
 
     ``tools`` is ``"module:attribute"`` naming a :class:`toolpool.Registry` importable in the
-    workers (they see this process's ``sys.path``).
+    workers (they see this process's ``sys.path``): the pool's provider named ``"default"``,
+    with the worker options below. ``Pool()`` starts with no provider; add them with
+    :meth:`add_provider` (``docs/providers.md``).
 
     >>> async with toolpool.Pool("mytools:registry", workers=4) as pool:  # doctest: +SKIP
     ...     result = await pool.call("nap", {"seconds": 1.5}, timeout=30)
@@ -111,7 +102,7 @@ class Pool(Channels):
 
     def __init__(
         self,
-        tools: str,
+        tools: str | None = None,
         *,
         workers: int = 4,
         cancel_grace: float = 5.0,
@@ -127,9 +118,11 @@ class Pool(Channels):
         warm_spares: int = 0,
         start_method: StartMethod = "fork",
         prefetch: int | None = None,
+        drain_grace: float = 30.0,
     ) -> None:
         """
-        :param tools: ``"module:attribute"`` naming the Registry.
+        :param tools: ``"module:attribute"`` naming the Registry of the ``"default"``
+            provider; None: no provider until :meth:`add_provider`.
         :param workers: how many worker processes (each runs one call at a time).
         :param cancel_grace: seconds a cancelled call has to stop cooperatively before SIGTERM.
         :param term_grace: seconds after SIGTERM before SIGKILL of the whole tree.
@@ -163,60 +156,73 @@ class Pool(Channels):
             ``untrusted`` does): there the supervisor then looks for leftover processes
             itself after every call, which it cannot while another call is already queued
             in the worker (``docs/pool.md``).
+        :param drain_grace: seconds the running calls of a removed (or reloaded) provider
+            have to finish before they get a cooperative cancel with cause ``disposed``.
         """
-        if not isinstance(tools, str) or ":" not in tools:
-            raise ConfigurationError(f"tools must be 'module:attribute', got {tools!r}")
-        _check_count("workers", workers, minimum=1)
-        _check_count("max_start_failures", max_start_failures, minimum=1)
+        check_count("max_start_failures", max_start_failures, minimum=1)
         for name, value in (
             ("cancel_grace", cancel_grace),
             ("term_grace", term_grace),
             ("start_timeout", start_timeout),
+            ("drain_grace", drain_grace),
         ):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not (math.isfinite(value) and value >= 0)
-            ):
-                raise ValueError(f"{name} must be a non-negative number of seconds")
+            check_seconds(name, value)
         if worker_output not in ("discard", "inherit"):
             raise ValueError("worker_output must be 'discard' or 'inherit'")
         if isinstance(max_frame, bool) or not isinstance(max_frame, int) or max_frame < 1024:
             raise ValueError("max_frame must be an integer of at least 1024 bytes")
-        self.tools_spec = tools
-        self.size = workers
+        if start_method not in ("fork", "spawn"):
+            raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
+        if tools is None and isinstance(profile, str):
+            profile = Profile.named(profile)
+        options = (
+            None
+            if tools is None
+            else provider_options(
+                "default",
+                tools,
+                workers=workers,
+                profile=profile,
+                env=env,
+                allow_background=allow_background,
+                capture_output=capture_output,
+                warm_spares=warm_spares,
+                prefetch=prefetch,
+                timeout=None,
+                max_frame=max_frame,
+            )
+        )
+        if options is None and not isinstance(profile, Profile):
+            raise TypeError(f"profile must be a toolpool.Profile or a name, not {profile!r}")
+        self._options: dict[str, ProviderOptions] = {}
+        if options is not None:
+            self._options["default"] = options
+            profile = options.profile
+        assert isinstance(profile, Profile)
+        self.tools_spec = tools or ""
+        self.size = workers if options is not None else 0
         self.cancel_grace = float(cancel_grace)
         self.term_grace = float(term_grace)
         self.start_timeout = float(start_timeout)
+        self.drain_grace = float(drain_grace)
         self.max_frame = max_frame
         self.max_start_failures = max_start_failures
         self.worker_output: WorkerOutput = worker_output
         self._env = dict(env) if env is not None else None
-        if isinstance(profile, str):
-            profile = Profile.named(profile)
-        if not isinstance(profile, Profile):
-            raise TypeError(f"profile must be a toolpool.Profile or a name, not {profile!r}")
         self.profile = profile
         self.allow_background = bool(allow_background)
-        _check_count("warm_spares", warm_spares, minimum=0)
-        self.warm_spares = warm_spares
-        if start_method not in ("fork", "spawn"):
-            raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
+        self.warm_spares = options.warm_spares if options is not None else 0
         self.start_method: StartMethod = start_method
-        if prefetch is None:
-            prefetch = 0 if profile.user is not None else DEFAULT_PREFETCH
-        _check_count("prefetch", prefetch, minimum=0)
-        self.prefetch = prefetch
-        self.capture_output = parse_size(capture_output)
-        if self.capture_output is not None and self.capture_output > max_frame // 2:
-            raise ValueError("capture_output must be at most half of max_frame")
+        self.prefetch = options.prefetch if options is not None else DEFAULT_PREFETCH
+        self.capture_output = options.capture_output if options is not None else None
         self._files = WorkerFiles()
+        spec = options.spec() if options is not None else None
         self._core = PoolCore(
             CoreConfig(
-                tools_spec=tools,
-                size=workers,
-                warm_spares=warm_spares,
-                prefetch=prefetch,
+                tools_spec=spec.tools_spec if spec else "",
+                size=spec.size if spec else 0,
+                warm_spares=spec.warm_spares if spec else 0,
+                prefetch=spec.prefetch if spec else 0,
                 cancel_grace=self.cancel_grace,
                 term_grace=self.term_grace,
                 start_timeout=self.start_timeout,
@@ -224,12 +230,14 @@ class Pool(Channels):
                 max_start_failures=max_start_failures,
                 allow_background=self.allow_background,
                 memory_cap=profile.memory,
+                drain_grace=self.drain_grace,
             ),
             self._files,  # the probe: the ledger and cgroup files it holds open
             lambda: secrets.token_hex(32).encode(),
         )
-        self._cgroups: CgroupSet | None = None
-        self._supervisor_layers: dict[str, tuple[bool, str]] = {}
+        self._listeners = Listeners()
+        self._rollbacks: dict[int, tuple[BaseException, list[Any]]] = {}
+        self._infos: dict[int, Any] = {}
         self._state: Literal["new", "starting", "running", "closing", "closed"] = "new"
         self._tg: anyio.abc.TaskGroup | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -284,20 +292,18 @@ class Pool(Channels):
             self._ctx = zmq.Context(io_threads=1)
             await self._start_reaper()
             assert self._reaper is not None
-            self._supervisor_layers, self._cgroups = supervisor_layers(
-                self.profile,
-                subreaper=self._reaper.subreaper,
-                cgroup_name=f"toolpool-{os.getpid()}-{id(self):x}",
-            )
+            for options in self._options.values():
+                prepare_layers(options, self, subreaper=self._reaper.subreaper)
             self._reaper.own(self._owned())
             self._start_task(self._reaper.run)
             self._start_task(self._clock)
             core.start(time.monotonic())
             self._pump()
+            default = core.default
             with anyio.fail_after(self.start_timeout + 5):
-                # Ready: it said hello, and the reaper said how it started it (the two can
-                # come in either order).
-                while core.broken is None and core.ready_count() < self.size + self.warm_spares:
+                # Ready: every worker said hello, and the reaper said how it started it
+                # (the two can come in either order).
+                while core.broken is None and default is not None and default.state == "starting":
                     await self._wait_changed()
                 if core.broken is not None:
                     raise core.broken
@@ -334,6 +340,10 @@ class Pool(Channels):
         self._state = "closing"
         core = self._core
         with anyio.CancelScope(shield=True):
+            if core.providers:  # consumers mirroring the pool drop what they derived
+                for name in list(core.providers):
+                    self._listeners.emit(ProviderRemoved(name, "closed"))
+                self._listeners.emit(ToolsChanged(frozen_catalog({})))
             core.closing = True
             for group in list(self._groups):
                 cancel_with_runtime_cause(group._controller, _DISPOSED)
@@ -394,9 +404,10 @@ class Pool(Channels):
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
-        if self._cgroups is not None:
-            self._cgroups.remove()
-            self._cgroups = None
+        for options in self._options.values():
+            if options.cgroups is not None:
+                options.cgroups.remove()
+                options.cgroups = None
         if self._dir is not None:
             self._close_report = await finish_cleanup(self._dir, self._reaper)
             self._dir = None
@@ -444,8 +455,9 @@ class Pool(Channels):
 
     @property
     def catalog(self) -> Mapping[str, Mapping[str, Any]]:
-        """The tools the ready workers provide, by name: JSON-compatible descriptions."""
-        return MappingProxyType(self._core.catalog)
+        """The tools of the active providers, by name: JSON-compatible descriptions, each
+        naming its ``provider`` and where it runs (``runs_in``, see :class:`ProviderInfo`)."""
+        return MappingProxyType(self._catalog_now())
 
     @property
     def reaper_pid(self) -> int | None:
@@ -500,12 +512,26 @@ class Pool(Channels):
             submitted=core.submitted,
         )
 
-    def containment(self) -> ContainmentReport:
-        """What protects this pool's workers, layer by layer: active or not, and why.
+    def containment(self, provider: str = "default") -> ContainmentReport:
+        """What protects a provider's workers (by default, the ``"default"`` provider's),
+        layer by layer: active or not, and why.
 
-        Worker-side layers (rlimits, network namespace) are as the first worker reported them.
+        Worker-side layers (rlimits, network namespace) are as its first worker reported them.
         """
-        return containment_report(self.profile, self._supervisor_layers, self._core.worker_layers)
+        options = self._options.get(provider)
+        if options is None:
+            if provider != "default" or self._options:
+                raise LookupError(f"no provider named {provider!r}")
+            return containment_report(self.profile, {}, None)  # (a pool with no provider)
+        core = self._core
+        return self._report(options, core.providers.get(provider) or core.pending.get(provider))
+
+    def _prepare(self, options: ProviderOptions) -> None:
+        assert self._reaper is not None
+        if options.profile.user is not None and self._dir is not None:
+            os.chmod(self._dir, 0o711)  # (as in start: its workers reach their socket by name)
+        prepare_layers(options, self, subreaper=self._reaper.subreaper)
+        self._reaper.own(self._owned())
 
     # ------------------------------------------------------------------ calls into the core
 
@@ -528,11 +554,13 @@ class Pool(Channels):
         self._check_open()
         if not isinstance(tool, str):
             raise TypeError(f"a tool name is a str, not {type(tool).__name__}")
-        catalog = self._core.catalog
-        if tool not in catalog:
+        provider = self._core.owner.get(tool)
+        if provider is None:
             raise UnknownToolError(
-                f"no worker provides a tool named {tool!r}; known: {sorted(catalog)}"
+                f"no worker provides a tool named {tool!r}; known: {sorted(self._core.catalog)}"
             )
+        if provider.broken is not None:
+            raise provider.broken
         if args is None:
             args = {}
         if not isinstance(args, Mapping):
@@ -549,6 +577,8 @@ class Pool(Channels):
             or not (math.isfinite(timeout) and timeout > 0)
         ):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if timeout is None:
+            timeout = self._options[provider.name].timeout
         now = time.monotonic()
         self._call_ids += 1
         call = Call(self, self._call_ids, tool, packed, group, now)
@@ -565,103 +595,6 @@ class Pool(Channels):
     def _group_cancelled(self, group: Group, cause: CancelCause) -> None:
         self._core.cancel_group(group, cause, time.monotonic())
         self._pump()
-
-    # ------------------------------------------------------------------ performing actions
-
-    def _pump(self) -> None:
-        """Perform what the core asks until it asks nothing more. Sending may consume the
-        edge of zmq's notification fd: what arrived meanwhile is read here, in the loop (a
-        fast worker that answers at once costs a turn of this loop, never a stack frame)."""
-        if self._pumping:
-            return  # the loop further up performs it
-        self._pumping = True
-        core = self._core
-        try:
-            while True:
-                actions = core.flush(time.monotonic())
-                if not actions:
-                    break
-                more = False
-                for io in self._perform(actions):
-                    if not io.sock.closed and readable(io.sock):
-                        self._read(io)
-                        more = True
-                if not more and not core.due():
-                    break  # (nothing read, nothing new: the next flush would be empty)
-        finally:
-            self._pumping = False
-        timers = core.timers  # (next_deadline, inline: once per call)
-        if timers and timers[0][0] < self._clock_at and self._clock_wake is not None:
-            self._clock_wake.set()
-
-    def _perform(self, actions: list[Action]) -> list[WorkerIO]:
-        """Perform the core's actions in order; return the workers sent to."""
-        sent_to: list[WorkerIO] = []
-        core = self._core
-        reaper = self._reaper if core.reaper_up else None
-        for action in actions:
-            kind = type(action)
-            if kind is Settled:
-                call: Call = action[0]  # type: ignore[misc,assignment]  # wake its waiters
-                if call._event is not None:
-                    call._event.set()
-                if call._started_event is not None:
-                    call._started_event.set()
-            elif kind is Send:
-                send: Send = action  # type: ignore[assignment]
-                io = self._io.get(send.wid)
-                try:
-                    if io is None or io.sock.closed:
-                        raise zmq.ZMQError(zmq.ENOTSOCK)
-                    if len(send.frames) == 1:
-                        frame = send.frames[0]
-                        io.sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
-                    else:
-                        io.sock.send_multipart(send.frames, zmq.NOBLOCK, copy=False)
-                except zmq.ZMQError:
-                    if send.calls:
-                        core.send_failed(send.wid, send.calls, time.monotonic())
-                    continue
-                if io not in sent_to:
-                    sent_to.append(io)
-            elif kind is Started:
-                action[0]._wake_started()  # type: ignore[union-attr,misc]
-            elif kind is Changed:
-                if self._changed is not None:
-                    self._changed.set()
-                    self._changed = None
-            elif kind is Spawn:
-                spawn = cast(Spawn, action)
-                try:
-                    self._spawn(spawn.wid, spawn.secret)
-                except Exception as exc:
-                    _log.exception("worker %s could not be started", spawn.wid)
-                    now = time.monotonic()
-                    core.spawn_failed(spawn.wid, f"{type(exc).__name__}: {exc}", now)
-            elif kind is Close:
-                io = self._io.pop(cast(Close, action).wid, None)
-                if io is not None:
-                    # Its tasks close the socket as they end (none may wait on it then);
-                    # closing the pool closes what is left.
-                    io.close_files()
-                    self._closing.add(io)
-            elif kind is Kill:
-                if reaper is not None:
-                    reaper.kill_tree(cast(Kill, action).wid)
-            elif kind is Terminate:
-                if reaper is not None:
-                    reaper.signal_tree(cast(Terminate, action).wid, signal.SIGTERM)
-            elif kind is Clean:
-                if reaper is not None:
-                    reaper.clean(cast(Clean, action).wid)
-            elif kind is FirstHello:
-                warn_inactive_layers(self.profile, self.containment())
-            elif kind is Orphaned:
-                if self._tg is not None:
-                    self._start_task(self._end_orphan, cast(Orphaned, action).wid)
-            elif kind is RestartReaper and self._tg is not None:
-                self._start_task(self._restart_reaper)
-        return sent_to
 
     # ------------------------------------------------------------------ the clock
 
@@ -682,9 +615,3 @@ class Pool(Channels):
 
     def __repr__(self) -> str:
         return f"<toolpool.Pool {self.tools_spec!r} workers={self.size} {self._state}>"
-
-
-def _check_count(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        what = "a positive" if minimum == 1 else "a non-negative"
-        raise ValueError(f"{name} must be {what} integer, got {value!r}")

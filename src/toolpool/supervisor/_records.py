@@ -11,9 +11,10 @@ from __future__ import annotations
 import collections
 import enum
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
-from ..core import CancelCause, CancelController, CancelSignal
+from ..core import CancelCause, CancelController, CancelSignal, WorkerStartError
 from ._results import Result, Rung, WorkerState
 
 __all__ = (
@@ -21,6 +22,7 @@ __all__ = (
     "TIMEOUT_TEXT",
     "WORKER_LOST_TEXT",
     "Action",
+    "Autoscale",
     "CallRecord",
     "CallState",
     "Changed",
@@ -30,13 +32,20 @@ __all__ = (
     "GroupRecord",
     "Kill",
     "Orphaned",
+    "ProviderDown",
+    "ProviderRecord",
+    "ProviderResized",
+    "ProviderSpec",
+    "ProviderUp",
     "RestartReaper",
     "Send",
     "Settled",
     "Spawn",
     "Started",
     "Terminate",
+    "WorkerDown",
     "WorkerRecord",
+    "WorkerUp",
 )
 
 WORKER_LOST_TEXT: Final = "Error: worker lost"
@@ -67,6 +76,7 @@ class CallRecord:
         "_forced",
         "_group",
         "_laddering",
+        "_provider",
         "_queued",
         "_recalling",
         "_requeued",
@@ -97,7 +107,8 @@ class CallRecord:
         self._result: Result | None = None
         self._deadline: float | None = None
         self._laddering = False  # its escalation ladder runs
-        self._queued = False  # it is in the pool's queue (settled ones may linger there)
+        self._queued = False  # it is in a provider's queue (settled ones may linger there)
+        self._provider: ProviderRecord | None = None  # whose queue holds it, if queued
         self._forced = False
         self._recalling = False  # a recall (or the worker's shutdown) may withdraw it
         self._requeued = False  # run elsewhere once, first in line in a worker that died
@@ -123,6 +134,73 @@ class GroupRecord:
         return self._controller.signal.cancelled
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProviderSpec:
+    """What the core's decisions need of a provider's options (the shell keeps the rest:
+    its profile, environment, output capture)."""
+
+    tools_spec: str
+    size: int
+    warm_spares: int = 0
+    prefetch: int = 0
+    allow_background: bool = False
+    memory_cap: int | None = None  # the profile's, for the OOM text
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Autoscale:
+    """An autoscaled provider's bounds and thresholds (``pool.autoscale``)."""
+
+    minimum: int
+    maximum: int
+    grow_after: float  # a call waiting this long (seconds) for a worker adds one
+    idle_after: float  # a worker idle this long (seconds) goes, down to ``minimum``
+
+
+class ProviderRecord:
+    """A provider as the core tracks it: one generation of workers running one tools module.
+
+    A reload makes a new record of the same name (``generation`` + 1) that takes over the
+    old one's queue the moment every new worker is ready; the old one drains.
+    """
+
+    def __init__(self, pid: int, name: str, spec: ProviderSpec, generation: int = 1) -> None:
+        self.id = pid  # unique in the pool (timers are keyed by it)
+        self.name = name
+        self.spec = spec
+        self.generation = generation
+        #: ``starting`` (its first workers start), ``active`` (its tools resolve to it),
+        #: ``draining`` (removed or replaced: its running calls finish, nothing new comes),
+        #: ``gone`` (every worker of it is gone), ``failed`` (it never became active).
+        self.state = "starting"
+        self.reason = ""  # why it was removed
+        self.queue: collections.deque[CallRecord] = collections.deque()
+        self.settled_in_queue = 0  # calls settled while queued, not yet dropped from it
+        self.ready: list[WorkerRecord] = []
+        self.catalog: dict[str, dict[str, Any]] = {}
+        self.threaded: set[str] = set()  # tools whose bodies leave the worker's loop free
+        self.worker_layers: dict[str, Any] | None = None
+        self.start_failures = 0
+        self.broken: WorkerStartError | None = None
+        self.error: Exception | None = None  # why it failed to start (a conflict, ...)
+        self.starting = True  # a start failure now breaks it at once
+        self.drain_by: float | None = None  # when its running calls get a cancel (draining)
+        self.autoscale: Autoscale | None = None
+        self.scale_armed = False  # its autoscaler's next look is in the timers
+
+    @property
+    def size(self) -> int:
+        return self.spec.size
+
+    @property
+    def live(self) -> bool:
+        """It takes calls (or will, once started)."""
+        return self.state in ("starting", "active")
+
+    def __repr__(self) -> str:
+        return f"<provider {self.name!r} gen {self.generation} {self.state}>"
+
+
 class WorkerRecord:
     """A worker process as the core tracks it. Its socket, files and directories are the
     shell's (``_pool.py``: ``_WorkerIO``)."""
@@ -134,6 +212,7 @@ class WorkerRecord:
         "calls",
         "catalog",
         "disconnected",
+        "draining",
         "escalated",
         "exit_status",
         "fatal",
@@ -147,7 +226,9 @@ class WorkerRecord:
         "peer_pid",
         "pending",
         "pid",
+        "provider",
         "results",
+        "retired",
         "secret",
         "signals",
         "start_failed",
@@ -159,9 +240,10 @@ class WorkerRecord:
         "wid",
     )
 
-    def __init__(self, wid: int, secret: bytes) -> None:
+    def __init__(self, wid: int, secret: bytes, provider: ProviderRecord) -> None:
         self.wid = wid
         self.secret = secret  # what its hello must carry
+        self.provider = provider  # whose tools it runs
         self.state = WorkerState.SPAWNING
         self.pid: int | None = None
         self.start_method: str | None = None  # how the reaper started it, once it said
@@ -184,6 +266,8 @@ class WorkerRecord:
         self.verified = True  # ... and that was checked (False: its reaper died, no cgroup)
         self.orphaned = False  # its reaper died: the shell ends its tree itself
         self.disconnected = False
+        self.draining = False  # it exits once its calls end (a shrink): none is sent to it
+        self.retired = False  # it was told to exit (Shutdown)
         self.escalated = False
         self.awaiting_fatal = False
         self.gone_deferred = False  # its tree is gone, handled once its 'fatal' is read
@@ -214,11 +298,12 @@ class Send(NamedTuple):
 
 
 class Spawn(NamedTuple):
-    """Start worker ``wid`` (its socket, files, the reaper's spawn); its hello must carry
-    ``secret``."""
+    """Start worker ``wid`` of ``provider`` (its socket, files, the reaper's spawn); its
+    hello must carry ``secret``."""
 
     wid: int
     secret: bytes
+    provider: str = "default"
 
 
 class Terminate(NamedTuple):
@@ -275,9 +360,53 @@ class Changed(NamedTuple):
 
 
 class FirstHello(NamedTuple):
-    """The first worker's hello: the containment layers it applied."""
+    """The first hello of a provider's worker: the containment layers it applied."""
 
     containment: Mapping[str, Any]
+    provider: str = "default"
+
+
+class ProviderUp(NamedTuple):
+    """``provider`` became resolvable: every worker it started with is ready (an add, or a
+    reload swapped in). ``replaced``: the generation it took over from (a reload)."""
+
+    provider: ProviderRecord
+    replaced: ProviderRecord | None = None
+
+
+class ProviderDown(NamedTuple):
+    """``provider`` is no longer resolvable (removed, rolled back, failed to start,
+    replaced by a reload): announce its removal."""
+
+    provider: ProviderRecord
+    reason: str
+
+
+class ProviderResized(NamedTuple):
+    """``provider`` was resized from ``old`` to ``new`` workers (``reason``: a ``resize``
+    call, or the autoscaler's decision and why)."""
+
+    provider: ProviderRecord
+    old: int
+    new: int
+    reason: str
+
+
+class WorkerUp(NamedTuple):
+    """Worker ``wid`` (``pid``) of ``provider`` said hello: it serves."""
+
+    wid: int
+    pid: int | None
+    provider: str
+
+
+class WorkerDown(NamedTuple):
+    """Worker ``wid`` and its tree are gone; ``why``: retired, crashed, killed, lost."""
+
+    wid: int
+    pid: int | None
+    provider: str
+    why: str
 
 
 Action = (
@@ -293,4 +422,9 @@ Action = (
     | Started
     | Changed
     | FirstHello
+    | ProviderUp
+    | ProviderDown
+    | ProviderResized
+    | WorkerUp
+    | WorkerDown
 )

@@ -25,6 +25,7 @@ from ._records import (
     WORKER_LOST_TEXT,
     CallRecord,
     CallState,
+    ProviderRecord,
     Settled,
     WorkerRecord,
 )
@@ -118,27 +119,30 @@ class Settlement(CoreState):
         self._out.append(_new_settled(Settled, (call,)))  # (tuple.__new__: the hot path)
 
     def _forget_queued(self, call: CallRecord) -> None:
-        """A call settled while in the pool's queue: drop it there, at once where it is at an
-        end of the queue (a lone cancel, a timeout), else once such calls make up half of
-        it (a group's or the close's cancel settles many: one pass for all of them)."""
+        """A call settled while in its provider's queue: drop it there, at once where it is
+        at an end of the queue (a lone cancel, a timeout), else once such calls make up half
+        of it (a group's or the close's cancel settles many: one pass for all of them)."""
         call._queued = False
-        queue = self.queue
+        p = call._provider
+        if p is None:
+            return
+        queue = p.queue
         if queue and queue[0] is call:
             queue.popleft()
         elif queue and queue[-1] is call:
             queue.pop()
         else:
-            self._settled_in_queue += 1
-        self._compact_queue()
+            p.settled_in_queue += 1
+        self._compact_queue(p)
 
-    def _compact_queue(self) -> None:
-        """Drop the settled calls from the queue once they are half of it."""
-        queue = self.queue
-        if self._settled_in_queue and self._settled_in_queue * 2 >= len(queue):
+    def _compact_queue(self, p: ProviderRecord) -> None:
+        """Drop the settled calls from p's queue once they are half of it."""
+        queue = p.queue
+        if p.settled_in_queue and p.settled_in_queue * 2 >= len(queue):
             live = [c for c in queue if c._queued]
             queue.clear()
             queue.extend(live)
-            self._settled_in_queue = 0
+            p.settled_in_queue = 0
 
     def _record_cause(self, call: CallRecord, cause: CancelCause) -> None:
         """The first cause wins; ``disposed`` takes priority over a user or parent cancel
@@ -172,9 +176,9 @@ class Settlement(CoreState):
                 body_started=False,
             )
 
-    def _fail_queue(self) -> None:
-        """The pool is broken: every queued call settles as lost, never started."""
-        queue = self.queue
+    def _fail_queue(self, p: ProviderRecord) -> None:
+        """p is broken: every call queued for it settles as lost, never started."""
+        queue = p.queue
         while queue:
             call = queue[0]
             if call._result is not None:
@@ -183,11 +187,16 @@ class Settlement(CoreState):
             self._settle(  # (drops it from the queue)
                 call,
                 Outcome.WORKER_LOST,
-                error=f"{WORKER_LOST_TEXT}: {self.broken}",
+                error=f"{WORKER_LOST_TEXT}: {p.broken or self.broken}",
                 error_name="WorkerStartError",
                 body_started=False,
             )
-        self._settled_in_queue = 0
+        p.settled_in_queue = 0
+
+    def _fail_queues(self) -> None:
+        """The pool is broken: every queued call settles as lost."""
+        for p in list(self.providers.values()):
+            self._fail_queue(p)
 
     def _raise_rung(self, call: CallRecord, rung: Rung) -> None:
         if RUNG_ORDER[rung] > RUNG_ORDER[call._rung]:
@@ -312,7 +321,7 @@ class Settlement(CoreState):
         reason = (
             w.violation
             or w.lost_reason
-            or describe_exit(w.exit_status, w.disconnected, w.oom_kills, self.config.memory_cap)
+            or describe_exit(w.exit_status, w.disconnected, w.oom_kills, w.provider.spec.memory_cap)
         )
         if not w.verified:
             reason += "; its tree could not be verified gone (no cgroup holds it)"

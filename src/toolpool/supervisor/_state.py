@@ -26,17 +26,19 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from ..core import WorkerStartError
-from ._records import Action, CallRecord, WorkerRecord
+from ._records import Action, CallRecord, ProviderRecord, ProviderSpec, WorkerRecord
 
 __all__ = ("CoreConfig", "CoreState", "Probe", "Proc", "Wait")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoreConfig:
-    """The pool's options that its decisions depend on."""
+    """The pool's options that its decisions depend on. ``tools_spec`` and the fields up to
+    ``memory_cap`` are the ``"default"`` provider's (none when ``tools_spec`` is empty);
+    more providers come with :meth:`PoolCore.add_provider`."""
 
-    tools_spec: str
-    size: int
+    tools_spec: str = ""
+    size: int = 0
     warm_spares: int = 0
     prefetch: int = 0
     cancel_grace: float = 5.0
@@ -47,6 +49,19 @@ class CoreConfig:
     allow_background: bool = False
     memory_cap: int | None = None  # the profile's, for the OOM text
     has_reaper_cleanup: bool = True  # the reaper kills leftovers (False: nobody can)
+    drain_grace: float = 30.0  # a removed provider's running calls' time to finish
+
+    def default_spec(self) -> ProviderSpec | None:
+        if not self.tools_spec:
+            return None
+        return ProviderSpec(
+            tools_spec=self.tools_spec,
+            size=self.size,
+            warm_spares=self.warm_spares,
+            prefetch=self.prefetch,
+            allow_background=self.allow_background,
+            memory_cap=self.memory_cap,
+        )
 
 
 class Probe(Protocol):
@@ -91,19 +106,23 @@ class CoreState:
         self._new_secret = new_secret
         self.now = 0.0  # the time of the event being handled (the core reads no clock)
         self.closing = False  # no call is dispatched any more; the queue settles as disposed
-        self.starting = True  # start-up: a start failure breaks the pool at once
+        self.starting = True  # the pool's start-up (its default provider's)
+        # The pool cannot serve at all (its reaper went away and no new one started; its
+        # default provider failed to start).
         self.broken: WorkerStartError | None = None
         self.reaper_up = True  # False from the reaper's death until a new one is ready
         self.restarting = False  # a new reaper is being started
         self.workers: dict[int, WorkerRecord] = {}
-        self.ready: list[WorkerRecord] = []
-        self.queue: collections.deque[CallRecord] = collections.deque()
-        self._settled_in_queue = 0  # calls settled while queued, not yet dropped from it
         self.calls: dict[int, CallRecord] = {}
-        self.catalog: dict[str, dict[str, Any]] = {}
-        self.threaded: set[str] = set()  # tools whose bodies leave the worker's loop free
-        self.worker_layers: dict[str, Any] | None = None
-        self.start_failures = 0
+        # Providers by name (the current generation: starting or active), and the older
+        # generations and removed ones whose workers are still draining.
+        self.providers: dict[str, ProviderRecord] = {}
+        self.pending: dict[str, ProviderRecord] = {}  # starting: an add, or a reload's
+        self.draining: list[ProviderRecord] = []
+        self.catalog: dict[str, dict[str, Any]] = {}  # the active providers' tools
+        self.owner: dict[str, ProviderRecord] = {}  # tool name -> its active provider
+        self._provider_ids = itertools.count(1)
+        self._providers_by_id: dict[int, ProviderRecord] = {}
         self._wids = itertools.count(1)
         self._out: list[Action] = []
         self._dispatch_due = False
@@ -118,6 +137,49 @@ class CoreState:
         self.submitted = 0
         self.started_count = 0
         self.replaced = 0
+
+        spec = config.default_spec()
+        if spec is not None:
+            self.pending["default"] = self._new_provider("default", spec)
+
+    def _new_provider(self, name: str, spec: ProviderSpec, generation: int = 1) -> ProviderRecord:
+        p = ProviderRecord(next(self._provider_ids), name, spec, generation)
+        self._providers_by_id[p.id] = p
+        return p
+
+    # The default provider's queue, ready list and tools (the single-provider view).
+
+    @property
+    def default(self) -> ProviderRecord | None:
+        return self.providers.get("default") or self.pending.get("default")
+
+    @property
+    def queue(self) -> collections.deque[CallRecord]:
+        """Every queued call, of every provider (a new deque: read only)."""
+        out: collections.deque[CallRecord] = collections.deque()
+        for p in self.providers.values():
+            out.extend(p.queue)
+        return out
+
+    @property
+    def ready(self) -> list[WorkerRecord]:
+        """The idle workers of every provider (a new list: read only)."""
+        return [w for p in self.providers.values() for w in p.ready]
+
+    @property
+    def threaded(self) -> set[str]:
+        return {t for p in [*self.providers.values(), *self.pending.values()] for t in p.threaded}
+
+    @property
+    def worker_layers(self) -> dict[str, Any] | None:
+        p = self.default
+        return p.worker_layers if p is not None else None
+
+    @worker_layers.setter
+    def worker_layers(self, layers: dict[str, Any] | None) -> None:
+        p = self.default
+        if p is not None:
+            p.worker_layers = layers
 
     # ------------------------------------------------------------------ the outbox
 
