@@ -37,10 +37,12 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/run.py $(if $(BASELINE),--baseline $(BASELINE))
+	$(PY) bench/batch.py --out bench/results/batch.json
 
 bench-smoke: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/run.py --smoke
+	$(PY) bench/batch.py --smoke
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -100,7 +100,60 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds after SIGTERM before SIGKILL (default: 2)",
     )
     _add_profile_options(call, "default")
+    _add_batch(sub)
     return parser
+
+
+def _add_batch(sub: Any) -> None:
+    batch = sub.add_parser(
+        "batch",
+        help="run a JSONL file of calls through a pool, resumably",
+        description="Run every line of INPUT (a JSON object: id, tool, args, and optionally "
+        "timeout and group) as a call, and append one record per id to RESULTS as its call "
+        "settles. Run the same command again to resume: recorded ids are skipped. Ctrl-C "
+        "or SIGTERM cancels every call (what settles is recorded); a second Ctrl-C kills "
+        "them. Exit 0 if every record is ok, 1 if not or a line was rejected, 2 on a usage "
+        "error, 130 if interrupted. See docs/batch.md.",
+    )
+    batch.add_argument("spec", help="module:attribute naming a toolpool.Registry")
+    batch.add_argument("input", help="the input file, one JSON object per line")
+    batch.add_argument(
+        "-o", "--output", required=True, help="the results file (appended to; resumed from)"
+    )
+    batch.add_argument("--workers", type=int, default=4, help="worker processes (default: 4)")
+    batch.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds per call, for lines without a timeout of their own",
+    )
+    batch.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="run a call again up to N times when it ends worker_lost or killed before its "
+        "body started (default: 0)",
+    )
+    batch.add_argument(
+        "--idempotent",
+        action="store_true",
+        help="the tools may run twice: --retries also retries calls whose body started",
+    )
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar")
+    batch.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    batch.add_argument(
+        "--cancel-grace",
+        type=float,
+        default=5.0,
+        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
+    )
+    batch.add_argument(
+        "--term-grace",
+        type=float,
+        default=2.0,
+        help="seconds after SIGTERM before SIGKILL (default: 2)",
+    )
+    _add_profile_options(batch, "default")
 
 
 def _jsonable(value: Any) -> Any:
@@ -151,6 +204,49 @@ async def _call(ns: argparse.Namespace) -> int:
         return 0 if result.ok else 1
 
     return await stop.run(job)
+
+
+def _batch(ns: argparse.Namespace) -> int:
+    from ._batch import BatchOptions
+
+    if ns.retries < 0:
+        raise ValueError(f"--retries must be 0 or more, got {ns.retries}")
+    if ns.timeout is not None and not ns.timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {ns.timeout}")
+    if (
+        os.path.exists(ns.output)
+        and os.path.exists(ns.input)
+        and os.path.samefile(ns.input, ns.output)
+    ):
+        raise ValueError("the results file cannot be the input file")
+    options = BatchOptions(
+        tools=ns.spec,
+        input=ns.input,
+        output=ns.output,
+        workers=ns.workers,
+        profile=_profile(ns),
+        timeout=ns.timeout,
+        retries=ns.retries,
+        idempotent=ns.idempotent,
+        cancel_grace=ns.cancel_grace,
+        term_grace=ns.term_grace,
+    )
+    return anyio.run(_run_batch, options, ns.no_progress, ns.json)
+
+
+async def _run_batch(options: Any, no_progress: bool, as_json: bool) -> int:
+    from ._batch import Batch
+    from ._batch._progress import LiveProgress, print_summary, print_summary_json
+
+    watcher = None if no_progress else LiveProgress(sys.stderr)
+    summary = await Batch(options, say=say, watcher=watcher).run()
+    if as_json:
+        print_summary_json(summary, sys.stdout)
+    else:
+        print_summary(summary, sys.stdout)
+    if summary.interrupted:
+        say("stopped: every call settled and every process of the pool is gone")
+    return summary.exit_status
 
 
 def _demo() -> int:
@@ -310,6 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return anyio.run(_doctor, ns)
         if ns.command == "selftest":
             return anyio.run(_selftest, ns)
+        if ns.command == "batch":
+            return _batch(ns)
     except (ToolpoolError, ValueError, TypeError, ImportError) as exc:
         print(_message(exc), file=sys.stderr)
         return 2

@@ -1,0 +1,501 @@
+"""The batch runner: input lines in, calls through a pool, records out; see docs/batch.md.
+
+One task does the work: it reads lines while fewer than ``window`` calls are in the pool,
+waits for the oldest call, and writes the records of every call settled by then. No task per
+call: that is what keeps the batch close to the pool's own ``submit`` rate. A call that settles
+behind a slow one is picked up within :data:`TICK` seconds (then every call is looked at).
+"""
+
+from __future__ import annotations
+
+import resource
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Final, final
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from ..core import Outcome, ToolpoolError, UnknownToolError
+from ..sandbox import Profile
+from ..supervisor import Call, Group, Pool
+from ._input import SKIPPED, Job, Rejection, count_lines, read_jobs
+from ._output import ResultsFile, call_record, rejection_record
+
+__all__ = ("EXIT_INTERRUPTED", "TICK", "Batch", "BatchOptions", "Summary")
+
+#: Seconds between two looks at every call in flight when the oldest is slow.
+TICK: Final = 0.05
+#: Seconds of calls (at the rate they settle) the batch keeps queued in the pool beyond what
+#: its workers hold; at least twice TICK, so that the window grows while a slow call holds
+#: the oldest place.
+QUEUE_FOR: Final = 0.1
+#: The most lines read between two awaits.
+READ_AT_ONCE: Final = 1024
+#: The most calls the batch keeps in the pool at once (with 10 KiB of args each, 10 MiB).
+MAX_WINDOW: Final = 1024
+#: Seconds between two measurements of the rate.
+RATE_EVERY: Final = 0.2
+#: Exit status after Ctrl-C or SIGTERM (128 + SIGINT, as a shell reports it).
+EXIT_INTERRUPTED: Final = 130
+#: Outcomes a retry is for (issue 18: "retry policy by body_started").
+RETRIED: Final = frozenset({Outcome.WORKER_LOST, Outcome.KILLED})
+#: Outcomes of a call the interrupt stopped before its body started: not recorded, so that a
+#: resumed run makes the call (nothing ran; nothing is lost).
+UNSTARTED_BY_STOP: Final = frozenset({Outcome.ABORTED_BEFORE_DISPATCH, Outcome.KILLED})
+
+
+@final
+@dataclass(frozen=True, kw_only=True)
+class BatchOptions:
+    """What ``toolpool batch`` was asked to do."""
+
+    tools: str
+    """``module:attribute`` naming the Registry."""
+    input: str
+    """The input file: one JSON object per line."""
+    output: str
+    """The results file (appended to; a second run resumes)."""
+    workers: int = 4
+    profile: Profile | str = "default"
+    timeout: float | None = None
+    """Seconds per call, for lines without their own ``timeout``."""
+    retries: int = 0
+    """Extra runs for a call that ends ``worker_lost`` or ``killed``: always when its body
+    never started, with ``idempotent`` also when it did (or may have)."""
+    idempotent: bool = False
+    cancel_grace: float = 5.0
+    term_grace: float = 2.0
+
+
+@dataclass
+class Summary:
+    """What a batch run did (the summary table, and ``--json``)."""
+
+    input: str
+    output: str
+    total: int | None = None
+    """Non-empty lines in the input, when it is a regular file."""
+    lines: int = 0
+    """Non-empty input lines handled."""
+    recorded: Counter[str] = field(default_factory=Counter)
+    """Records this run wrote, by outcome (``rejected`` for rejected lines)."""
+    skipped: int = 0
+    """Lines whose id a previous run recorded."""
+    previous: Counter[str] = field(default_factory=Counter)
+    """The records of previous runs, by outcome."""
+    retries: int = 0
+    """Runs beyond the first, over every call."""
+    not_recorded: int = 0
+    """Calls the interrupt stopped before their body started: left for the next run."""
+    in_flight: int = 0
+    queued: int = 0
+    interrupted: bool = False
+    error: str | None = None
+    """Why the batch stopped early, when the pool broke."""
+    elapsed_s: float = 0.0
+    """From the first line read to the last record written."""
+    cpu_s: float = 0.0
+    """CPU seconds this process (every thread of it) used over :attr:`elapsed_s`."""
+    peak_rss_mib: float = 0.0
+    """This process's peak resident memory (the supervisor; not the workers)."""
+
+    @property
+    def rejected(self) -> int:
+        """Lines rejected by this run."""
+        return self.recorded["rejected"]
+
+    @property
+    def calls_per_s(self) -> float:
+        """Calls recorded per second of :attr:`elapsed_s`."""
+        calls = sum(self.recorded.values()) - self.rejected
+        return calls / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def exit_status(self) -> int:
+        """130 interrupted; 0 every record of the results file ``ok`` and no line rejected;
+        1 otherwise."""
+        if self.interrupted:
+            return EXIT_INTERRUPTED
+        not_ok = {k: v for k, v in (self.recorded + self.previous).items() if k != "ok"}
+        return 1 if not_ok or self.error else 0
+
+    def as_json(self) -> dict[str, Any]:
+        """The summary as one JSON object."""
+        return {
+            "input": self.input,
+            "output": self.output,
+            "total_lines": self.total,
+            "lines": self.lines,
+            "recorded": dict(self.recorded),
+            "rejected": self.rejected,
+            "skipped": self.skipped,
+            "previous": dict(self.previous),
+            "retries": self.retries,
+            "not_recorded": self.not_recorded,
+            "interrupted": self.interrupted,
+            "error": self.error,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "calls_per_s": round(self.calls_per_s, 1),
+            "cpu_s": round(self.cpu_s, 3),
+            "peak_rss_mib": round(self.peak_rss_mib, 1),
+            "exit_status": self.exit_status,
+        }
+
+
+class Watcher:
+    """What the runner tells a progress display (all optional)."""
+
+    def started(self, batch: Batch) -> None:
+        """The pool is ready and the first line is about to be read."""
+
+    def refresh(self, batch: Batch) -> None:
+        """Called a few times a second while the batch runs."""
+
+    def stopped(self, batch: Batch) -> None:
+        """Every call settled; the pool is closing."""
+
+
+@final
+class Batch:
+    """One run of ``toolpool batch``: ``await Batch(options).run()`` gives its summary."""
+
+    def __init__(
+        self,
+        options: BatchOptions,
+        *,
+        say: Callable[[str], None],
+        watcher: Watcher | None = None,
+    ) -> None:
+        if options.retries < 0:
+            raise ValueError(f"retries must be 0 or more, got {options.retries}")
+        self.options = options
+        self.summary = Summary(input=options.input, output=options.output)
+        self._say = say
+        self._watcher = watcher or Watcher()
+        self._pool: Pool | None = None
+        self._pending: dict[Call, Job] = {}
+        self._groups: dict[str, list[Any]] = {}  # name -> [Group, calls of it in flight]
+        self._stopping = False
+        self._interrupts = 0
+        self._syncing: anyio.Event | None = None
+        self._out: list[bytes] = []
+        self._outcomes: list[str] = []
+        self._started_at = 0.0
+        self._known_rejections: set[tuple[int, str]] = set()
+        self._timeouts = options.timeout is not None
+        """Whether a call with a timeout was submitted (or will be: --timeout)."""
+
+    @property
+    def in_window(self) -> int:
+        """Calls submitted and not settled yet."""
+        return len(self._pending)
+
+    def rate(self) -> float:
+        """Calls recorded per second so far."""
+        elapsed = time.monotonic() - self._started_at if self._started_at else 0.0
+        calls = sum(self.summary.recorded.values()) - self.summary.rejected
+        return calls / elapsed if elapsed > 0 else 0.0
+
+    def group(self, name: str) -> Group | None:
+        """The pool group the lines with ``"group": name`` share, while one of its calls is
+        in flight (a group is dropped when its last call in flight settles)."""
+        entry = self._groups.get(name)
+        return None if entry is None else entry[0]
+
+    @property
+    def pool(self) -> Pool | None:
+        """The pool, while it runs."""
+        return self._pool
+
+    async def run(self) -> Summary:
+        """Run the batch to its end (or its interruption); the summary."""
+        options = self.options
+        stream = _open_input(options.input)
+        try:
+            results = ResultsFile(options.output, say=self._say)
+            try:
+                self.summary.previous = results.previous.outcomes
+                self.summary.total = count_lines(options.input)
+                failure: list[Exception] = []
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(self._watch_signals, signals)
+                        try:
+                            await self._run_pool(stream, results, tg)
+                        except Exception as exc:  # kept out of the task group's exception group
+                            failure.append(exc)
+                        finally:
+                            tg.cancel_scope.cancel()
+                if failure:
+                    raise failure[0]
+            finally:
+                results.close()
+        finally:
+            stream.close()
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.summary.peak_rss_mib = usage.ru_maxrss / 1024
+        self.summary.interrupted = self._interrupts > 0
+        return self.summary
+
+    async def _run_pool(
+        self, stream: BinaryIO, results: ResultsFile, tg: anyio.abc.TaskGroup
+    ) -> None:
+        options = self.options
+        async with Pool(
+            options.tools,
+            workers=options.workers,
+            profile=options.profile,
+            cancel_grace=options.cancel_grace,
+            term_grace=options.term_grace,
+        ) as pool:
+            self._pool = pool
+            self._known_rejections = results.previous.rejections
+            if self._stopping:
+                return  # interrupted while the workers started
+            jobs = read_jobs(
+                stream,
+                tools=pool.catalog,
+                recorded=results.previous.ids,
+                default_timeout=options.timeout,
+            )
+            self._watcher.started(self)
+            tg.start_soon(self._refresh)
+            self._started_at = time.monotonic()
+            cpu = time.process_time()
+            try:
+                await self._loop(pool, jobs, results, tg)
+            finally:
+                self.summary.elapsed_s = time.monotonic() - self._started_at
+                self.summary.cpu_s = time.process_time() - cpu
+                if not self._pending:
+                    self.summary.in_flight = self.summary.queued = 0
+                self._watcher.stopped(self)
+
+    async def _loop(
+        self,
+        pool: Pool,
+        jobs: Iterator[Job | Rejection | object],
+        results: ResultsFile,
+        tg: anyio.abc.TaskGroup,
+    ) -> None:
+        # The window: how many calls the batch keeps in the pool. Calls queued in the pool
+        # beyond what the workers hold are what let it send a worker several calls at a time:
+        # with no-op calls (bench/batch.py, a loaded machine) 36 in the pool cost 244 us of
+        # this process's CPU per call, 576 cost 149-164 us, the pool.submit path 131 us. But
+        # a call's timeout counts from its submission: while no line has a timeout, the
+        # window is MAX_WINDOW; once one has, it is what every worker runs and holds
+        # (Pool(prefetch=...)) plus QUEUE_FOR seconds of calls at the rate they settle.
+        base = self.options.workers * (pool.prefetch + 2)
+        window = base  # (while a timeout is in play)
+        pending = self._pending
+        summary = self.summary
+        more = True
+        measured_at = time.monotonic()
+        settled_since = 0
+        while True:
+            # At most READ_AT_ONCE lines between two awaits: lines that make no call
+            # (skipped, rejected) must not keep the signals and the progress waiting, nor
+            # pile up records unwritten.
+            budget = READ_AT_ONCE
+            while (
+                more
+                and not self._stopping
+                and len(pending) < (window if self._timeouts else MAX_WINDOW)
+                and budget
+            ):
+                budget -= 1
+                item = next(jobs, None)
+                if item is None:
+                    more = False
+                    break
+                summary.lines += 1
+                if item is SKIPPED:
+                    summary.skipped += 1
+                elif type(item) is Job:
+                    self._submit(pool, item)
+                else:
+                    assert isinstance(item, Rejection)
+                    self._reject(item)
+            if self._out:
+                await self._flush(results, tg)
+            if not pending:
+                if not more or self._stopping:
+                    break
+                await anyio.lowlevel.checkpoint()
+                continue
+            head = next(iter(pending))
+            everything = False
+            if not head.done():
+                with anyio.move_on_after(TICK) as scope:
+                    await head.wait()
+                everything = scope.cancelled_caught
+            settled: list[Call] = []
+            for call in pending:
+                if call.done():
+                    settled.append(call)
+                elif not everything:
+                    break
+            for call in settled:
+                self._settled(pool, call, pending.pop(call))
+            settled_since += len(settled)
+            now = time.monotonic()
+            if now - measured_at >= RATE_EVERY:
+                if self._timeouts:
+                    rate = settled_since / (now - measured_at)
+                    window = max(base, min(MAX_WINDOW, int(rate * QUEUE_FOR)))
+                measured_at, settled_since = now, 0
+            if self._out:
+                await self._flush(results, tg)
+
+    # ------------------------------------------------------------------ calls
+
+    def _submit(self, pool: Pool, job: Job) -> bool:
+        """Submit ``job``'s next run; False if it could not be (rejected, or the pool broke)."""
+        group: Group | None = None
+        if job.group is not None:
+            entry = self._groups.get(job.group)
+            if entry is None:
+                entry = self._groups[job.group] = [pool.group(), 0]
+            group = entry[0]
+        now = time.monotonic()
+        try:
+            if group is not None:
+                call = group.submit(job.tool, job.args, timeout=job.timeout)
+            else:
+                call = pool.submit(job.tool, job.args, timeout=job.timeout)
+        except UnknownToolError as exc:
+            self._reject(Rejection(job.line, f"line {job.line}: {exc}", job.id))
+        except ToolpoolError as exc:  # the pool broke (its workers cannot start)
+            if self.summary.error is None:
+                self.summary.error = f"{type(exc).__name__}: {exc}"
+                self._say(f"the pool broke, stopping: {self.summary.error}")
+            self._stopping = True
+        except (TypeError, ValueError, OverflowError) as exc:
+            self._reject(
+                Rejection(job.line, f"line {job.line}: its args cannot be sent: {exc}", job.id)
+            )
+        else:
+            job.attempts += 1
+            if job.timeout is not None:
+                self._timeouts = True
+            if job.first_submitted is None:
+                job.first_submitted = now
+                if group is not None:
+                    self._groups[job.group][1] += 1  # type: ignore[index]
+            self._pending[call] = job
+            return True
+        if group is not None and job.first_submitted is None:
+            self._release(job)
+        return False
+
+    def _release(self, job: Job) -> None:
+        """``job`` is done with its group."""
+        if job.group is None:
+            return
+        entry = self._groups.get(job.group)
+        if entry is not None and job.first_submitted is not None:
+            entry[1] -= 1
+        if entry is not None and entry[1] <= 0:
+            del self._groups[job.group]
+
+    def _settled(self, pool: Pool, call: Call, job: Job) -> None:
+        result = call.result()
+        outcome = result.outcome
+        if (
+            outcome in RETRIED
+            and not self._stopping
+            and job.attempts <= self.options.retries
+            and (result.body_started is False or self.options.idempotent)
+            and self._submit(pool, job)  # (False: the pool broke; this result is the record)
+        ):
+            self.summary.retries += 1
+            return
+        self._release(job)
+        if self._stopping and outcome in UNSTARTED_BY_STOP and result.body_started is False:
+            self.summary.not_recorded += 1
+            return
+        data, recorded = call_record(job, result)
+        self._out.append(data)
+        self._outcomes.append(recorded)
+
+    def _reject(self, rejection: Rejection) -> None:
+        if (rejection.line, rejection.reason) in self._known_rejections:
+            self.summary.recorded["rejected"] += 1  # recorded by an earlier run
+            return
+        self._out.append(rejection_record(rejection))
+        self._outcomes.append("rejected")
+
+    async def _flush(self, results: ResultsFile, tg: anyio.abc.TaskGroup) -> None:
+        """Write the records collected; they count as done once written."""
+        due = results.write(b"".join(self._out), len(self._out))
+        self.summary.recorded.update(self._outcomes)
+        self._out.clear()
+        self._outcomes.clear()
+        if due:
+            if self._syncing is not None:
+                await self._syncing.wait()  # at most 2 x FSYNC_EVERY records unsynced
+            self._syncing = anyio.Event()
+            tg.start_soon(self._sync, results, self._syncing)
+
+    @staticmethod
+    async def _sync(results: ResultsFile, done: anyio.Event) -> None:
+        try:
+            await results.sync()
+        finally:
+            done.set()
+
+    # ------------------------------------------------------------------ interrupts
+
+    async def _watch_signals(self, signals: Any) -> None:
+        async for signum in signals:
+            self._interrupts += 1
+            what = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+            if self._interrupts == 1:
+                o = self.options
+                self._say(
+                    f"{what}: stopping. Every call is cancelled; one that does not stop within "
+                    f"{o.cancel_grace:g}s gets SIGTERM, then SIGKILL {o.term_grace:g}s later. "
+                    "What settles is recorded. Ctrl-C again to kill them now."
+                )
+                self._stop()
+                continue
+            running = [c for c in self._pending if not c.done()]
+            for call in running:
+                call.cancel(force=True)
+            calls = "1 call" if len(running) == 1 else f"{len(running)} calls"
+            self._say(f"{what} again: killing {calls} now (SIGKILL)")
+
+    def _stop(self) -> None:
+        """Stop reading; cancel every call in flight (cause ``user``), group by group."""
+        self._stopping = True
+        for group, _ in list(self._groups.values()):
+            group.cancel()
+        for call, job in list(self._pending.items()):
+            if job.group is None:
+                call.cancel()
+
+    # ------------------------------------------------------------------ progress
+
+    async def _refresh(self) -> None:
+        while True:
+            await anyio.sleep(0.25)
+            pool = self._pool
+            if pool is not None:
+                stats = pool.statistics()
+                self.summary.in_flight = stats.in_flight
+                self.summary.queued = stats.queued
+            self._watcher.refresh(self)
+
+
+def _open_input(path: str) -> BinaryIO:
+    """The input, opened for reading. It is read in the event loop, a line at a time when a
+    call can be submitted: a file's lines are at hand; a pipe's writer must keep up."""
+    try:
+        return open(path, "rb")
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
