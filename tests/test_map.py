@@ -194,9 +194,12 @@ async def test_a_cancelled_consumer_gets_its_cancellation_at_once() -> None:
 async def test_failures_and_crashes_are_results_and_the_map_goes_on() -> None:
     kinds = ["ok", "fail", "exit", "ok", "segv", "kill", "fail", "ok", "exit", "ok"]
     items = [{"kind": k, "i": i} for i, k in enumerate(kinds)]
-    # Last, so that no quick call waits behind them past its timeout.
+    # Last, so that no quick call waits behind them past its timeout. (prefetch=0: a call
+    # is sent only to an idle worker, in the order queued. With calls queued in workers, a
+    # crash puts the ones it held back at the front of the queue, which can set the two
+    # long ones ahead of a quick one on two workers: the pool promises no order.)
     items += [{"kind": "hang", "i": len(items)}, {"kind": "nap", "i": len(items) + 1}]
-    async with running_pool(TOOLS, workers=2, cancel_grace=0.5, term_grace=0.5) as pool:
+    async with running_pool(TOOLS, workers=2, cancel_grace=0.5, term_grace=0.5, prefetch=0) as pool:
         by_index = {r.index: r async for r in pool.map("varied", items, timeout=6)}
         stats = pool.statistics()
     assert sorted(by_index) == list(range(len(items)))
