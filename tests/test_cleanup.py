@@ -302,6 +302,49 @@ async def test_a_big_tree_is_removed_in_the_background_while_the_pool_serves(
 
 
 @pytest.mark.anyio
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+async def test_nothing_of_a_gone_worker_stays_in_the_pools_directory(profile: str) -> None:
+    """A worker's socket directory (its socket and ledger file) goes with its tree, like its
+    scratch directory: a pool whose workers die and are replaced does not pile them up until
+    its close (a 10,000-call soak left hundreds, more than the close's removal budget)."""
+    async with toolpool.Pool(HOSTILE, workers=1, profile=PROFILES[profile]) as pool:
+        reaper = pool._reaper
+        pool_dir = pool._dir
+        assert reaper is not None
+        assert pool_dir is not None
+        directory: str = pool_dir
+
+        def entries() -> set[str]:
+            return set(os.listdir(directory))
+
+        first = entries()
+        assert {"w1", "scratch-w1"} <= first, first  # (the cgroups live elsewhere)
+        gone: list[str] = []
+        for n in range(4):
+            if n % 2:  # killed by the pool's escalation
+                call = pool.submit("cooperative", {"seconds": 3600.0})
+                assert await call.wait_started()
+                call.cancel(force=True)
+                result = await call
+                assert result.outcome is toolpool.Outcome.KILLED, result
+            else:  # dead on its own
+                result = await pool.call("hard_exit", {"code": 3})
+                assert result.outcome is toolpool.Outcome.WORKER_LOST, result
+            assert result.worker_pid is not None
+            gone += [f"w{n + 1}", f"scratch-w{n + 1}"]
+            # Removed before the tree was reported gone, or still being removed in the
+            # background: then the reaper said so (cleanup_pending) before it said gone.
+            with anyio.fail_after(60):
+                for name in gone:
+                    await reaper.wait_removed(os.path.join(pool_dir, name))
+            left = sorted(entries() & set(gone))
+            assert left == [], (left, sorted(entries()))
+        assert (await pool.call("cooperative", {"seconds": 0.0})).ok  # the fifth serves
+        assert entries() == {"w5", "scratch-w5"} | (first - {"w1", "scratch-w1"}), entries()
+
+
+@pytest.mark.anyio
 @pytest.mark.timeout(180)
 async def test_what_the_close_leaves_is_removed_in_the_background_and_reported(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture

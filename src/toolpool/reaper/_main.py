@@ -378,12 +378,12 @@ class Reaper:
             if cgroups.populated(kill_dir):
                 return False
             self.kill_dirs.pop(wid, None)
-        self.groups.pop(wid, None)
+        groups = set(self.groups.pop(wid, ()))
         for path in self.cleanup.pop(wid, []):
-            if os.path.basename(path).startswith("scratch"):
-                self.start_removal(wid, path)
-            else:
+            if path in groups:  # a cgroup: rmdir (its files are the kernel's)
                 cgroups.remove(path)
+            else:  # a plain directory (its socket and ledger, its scratch): a tree
+                self.start_removal(wid, path)
         return True
 
     # ---- removing what workers leave on disk

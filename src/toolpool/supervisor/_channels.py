@@ -327,7 +327,8 @@ class Channels:
         if io is not None:
             if verified:
                 for path in reversed(io.cleanup):
-                    await anyio.to_thread.run_sync(remove_dir, path)
+                    remove = functools.partial(remove_dir, path, cgroup=path in io.groups)
+                    await anyio.to_thread.run_sync(remove)
             self._read(io)  # what it sent before it died counts
         self._core.gone(wid, time.monotonic(), verified=verified)
         self._pump()

@@ -276,11 +276,12 @@ def empty_cgroups(kill_dir: str | None, groups: list[str]) -> bool:
     return False
 
 
-def remove_dir(path: str) -> None:
+def remove_dir(path: str, *, cgroup: bool) -> None:
     """Remove one of a worker's directories: a cgroup (rmdir), or a plain one, for at most
     ORPHAN_CLEANUP_BUDGET seconds (blocking: run it in a thread). What is left of a huge
-    tree the pool's close removes, with the rest of the pool's directory."""
-    if os.path.exists(os.path.join(path, "cgroup.procs")):
+    tree the pool's close removes, with the rest of the pool's directory. Which it is, the
+    caller says (it made it): a name in a directory the worker could write says nothing."""
+    if cgroup:
         cgroups.remove(path)
     else:
         _remove.remove_tree(path, ORPHAN_CLEANUP_BUDGET).close()
