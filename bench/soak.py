@@ -33,8 +33,12 @@ What is checked, independently of the pool (psutil and the kernel's cgroup files
   process that ``pool.reaper_pid`` named (never a pid read from a command line), a worker
   names a live one of those as its parent or lives in this run's pool directory; pid 1 and
   this process's ancestors are never touched. The chaos, likewise, signals only the live
-  reaper and the workers that are its children, and their descendants;
-- ``dirs left``: the pool's private directory and cgroups still there after close;
+  reaper and the workers that are its children, and their descendants. One process may
+  outlive ``aclose()``: the cleaner its :class:`toolpool.CloseReport` names as still removing
+  the pool's files (docs/pool.md, "Settlement"), if it is a child of this process. It is
+  given ``--cleanup-timeout`` seconds (60) to finish, then counts as ``left`` too;
+- ``dirs left``: the pool's private directory and cgroups still there after close (and after
+  the cleaner below, if any, finished or was killed);
 - ``miscounted``: ``pool.statistics()`` disagrees with the results delivered;
 - ``timeline``: a ``killed`` or ``worker_lost`` result of a worker whose timeline has no
   ``reaped`` step, or one after ``settled``.
@@ -56,7 +60,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -129,6 +133,10 @@ class Config:
     """Stop waiting once no call settled for this long (the unsettled ones are lost)."""
     close_timeout: float = 120.0
     """If closing the pool takes longer, kill its processes (and report it)."""
+    cleanup_timeout: float = 60.0
+    """How long the process ``aclose()``'s :class:`toolpool.CloseReport` names as still
+    removing the pool's files may take to finish; still there after that, it counts as left
+    (and is killed), and what it did not remove as dirs left."""
     backend: str = "asyncio"
     warm_spares: int = 0
     prefetch: int | None = None
@@ -169,6 +177,13 @@ class Report:
     broken: str | None = None
     """Why the pool stopped taking calls, if it did (the soak then could not finish)."""
     zombies_after_close: int = 0
+    pool_dir_entries: int | None = None
+    """Entries in the pool's directory just before its close (a worker's socket directory
+    and scratch directory each; those of gone workers are removed with their trees)."""
+    close_report: str = ""
+    """What ``aclose()`` returned, as printed."""
+    cleaner_wait: float | None = None
+    """Seconds the soak waited after ``aclose()`` for the cleaner it named to finish."""
     outcomes: dict[str, int] = field(default_factory=dict)
     rungs: dict[str, int] = field(default_factory=dict)
     by_tool: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -251,6 +266,10 @@ class Report:
         )
         if self.zombies_after_close:
             lines.append(f"zombies after close: {self.zombies_after_close}")
+        entries = "-" if self.pool_dir_entries is None else self.pool_dir_entries
+        lines.append(f"pool directory before close: {entries} entries; close: {self.close_report}")
+        if self.cleaner_wait is not None:
+            lines.append(f"the cleaner aclose() named finished after {self.cleaner_wait:.1f} s")
         lines.append(f"elapsed {self.elapsed:.1f} s, {self.calls_per_s:.1f} calls/s")
         if self.problems:
             lines.append(f"problems ({len(self.problems)}):")
@@ -511,14 +530,15 @@ class Observer:
         return alive
 
     def leftovers(
-        self, before: set[int]
+        self, before: set[int], exempt: Collection[int] = ()
     ) -> tuple[list[tuple[psutil.Process, str, int | None]], int]:
         """Processes of this run alive after close: (process, description, the number of
-        the call whose tag it carries, if any); and how many zombies."""
+        the call whose tag it carries, if any); and how many zombies. ``exempt``: the
+        cleaner ``aclose()`` named (see :meth:`cleaner`), checked on its own."""
         found: dict[int, tuple[psutil.Process, str]] = {}
         me = os.getpid()
         reapers = self.live_reapers()
-        never = _never_kill()
+        never = _never_kill() | set(exempt)
         for proc in psutil.process_iter(["cmdline", "ppid"]):
             if proc.pid in never:
                 continue
@@ -562,6 +582,30 @@ class Observer:
             live.append((proc, f"pid {pid} ({why}; {' '.join(cmdline)[:120]})", seq))
         return live, zombies
 
+    def cleaner(self, pid: int | None, before: set[int]) -> psutil.Process | None:
+        """The process a :class:`toolpool.CloseReport` names as still removing the pool's
+        files, if it provably is this run's: a live child of this process, new since the
+        run began (the pool's reaper staying on, or the remover the pool started)."""
+        if pid is None or pid in before:
+            return None
+        try:
+            proc = psutil.Process(pid)
+            if proc.ppid() != os.getpid() or proc.status() in DEAD:
+                return None
+        except psutil.Error:
+            return None
+        return proc
+
+    def pool_dir_entries(self) -> int | None:
+        """Entries in the pool's directory now (None: the soak never saw it)."""
+        total = None
+        for d in self.pool_dirs:
+            try:
+                total = (total or 0) + len(os.listdir(d))
+            except OSError:
+                pass
+        return total
+
     def dirs_left(self) -> list[str]:
         return sorted(d for d in self.pool_dirs | self.cgroup_dirs if os.path.isdir(d))
 
@@ -571,6 +615,13 @@ def _same_process(proc: psutil.Process, create_time: float) -> bool:
         return abs(proc.create_time() - create_time) < 0.5
     except psutil.Error:
         return False
+
+
+def _created(proc: psutil.Process) -> float | None:
+    try:
+        return proc.create_time()
+    except psutil.Error:
+        return None
 
 
 def _pool_dir(endpoint: str) -> str:
@@ -594,6 +645,34 @@ def _members(group: str) -> list[int]:
             return [int(line) for line in f if line.strip()]
     except (OSError, ValueError):
         return []
+
+
+def _contents(directory: str) -> str:
+    """`` (N entries: a, b, ...)`` for a directory left after close."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return ""
+    shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+    return f" ({len(names)} entries: {shown})" if names else " (empty)"
+
+
+async def _wait_exit(proc: psutil.Process, timeout: float) -> bool:
+    """Wait until ``proc`` (a child of this process, reaped by whoever started it: the
+    pool) has exited, for at most ``timeout`` seconds; True if it has. Never reaps it."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except ProcessLookupError:
+        return True
+    try:
+        if not proc.is_running():  # it exited before the pidfd was opened (pid reused?)
+            return True
+        with anyio.move_on_after(timeout):
+            await anyio.wait_readable(fd)  # a pidfd turns readable when its process exits
+            return True
+        return False
+    finally:
+        os.close(fd)
 
 
 def _kill(procs: Iterable[psutil.Process]) -> None:
@@ -643,6 +722,8 @@ class Soak:
             collections.Counter
         )
         self.chaos: collections.Counter[str] = collections.Counter()
+        #: Workers that returned a result, as (pid, creation time): the chaos's victims.
+        self.served: set[tuple[int, float]] = set()
         self.progress = anyio.Event()
         self.all_settled = anyio.Event()
         self.stop_chaos = anyio.Event()
@@ -730,6 +811,7 @@ class Soak:
         if result.worker_pid is not None:
             if result.outcome not in DEATHS:
                 obs.observe_worker(result.worker_pid)
+                self.serving(result.worker_pid)
             obs.calls_on[result.worker_pid].append(i)
         self.progress.set()
         if self.config.progress and r.settled % max(1, self.config.calls // 10) == 0:
@@ -741,6 +823,17 @@ class Soak:
             )
         if r.settled >= self.config.calls or (r.broken and r.settled >= r.submitted):
             self.all_settled.set()
+
+    def serving(self, pid: int) -> None:
+        """Worker ``pid`` returned a result: if the soak knows this very process (a worker of
+        this run, seen alive), the chaos may kill it."""
+        info = self.observer.workers.get(pid)
+        try:
+            proc = psutil.Process(pid)
+        except psutil.Error:
+            return
+        if info is not None and _same_process(proc, info.create_time):
+            self.served.add((pid, proc.create_time()))
 
     async def submit_all(self, pool: toolpool.Pool) -> None:
         limit = anyio.Semaphore(self.config.outstanding or 3 * self.config.workers)
@@ -826,8 +919,10 @@ class Soak:
 
     def kill_worker(self, pool: toolpool.Pool, rng: random.Random) -> None:
         # Only workers that have served a call: killing starting ones counts as their start
-        # failing, and max_start_failures of those in a row stop the pool on purpose.
-        procs = [p for p in self.pool_workers(pool) if p.pid in self.observer.calls_on]
+        # failing, and max_start_failures of those in a row stop the pool on purpose
+        # (docs/pool.md, "Start failures"). The very process that served, not its pid: pids
+        # are reused (pid_max is often 32768), a new worker may be starting under an old pid.
+        procs = [p for p in self.pool_workers(pool) if (p.pid, _created(p)) in self.served]
         if not procs:
             return
         victim = rng.choice(procs)
@@ -880,8 +975,10 @@ class Soak:
             prefetch=config.prefetch,
             start_method=config.start_method,
         )
+        close_report: toolpool.CloseReport | None = None
         try:
-            async with pool:
+            await pool.start()
+            try:
                 report = pool.containment()
                 r.containment = [layer.name for layer in report.layers if layer.active]
                 r.unverified_allowed = not any(
@@ -906,31 +1003,20 @@ class Soak:
                     self.stop_chaos.set()
                 stats = pool.statistics()
                 self.check_statistics(stats, closed=False)
+                r.pool_dir_entries = self.observer.pool_dir_entries()
+            finally:
+                # (In the task that started the pool, as `async with` would.)
                 watchdog = threading.Timer(config.close_timeout, self.close_hung)
                 watchdog.daemon = True
                 watchdog.start()
-            # closed
-            if watchdog is not None:
+                close_report = await pool.aclose()
                 watchdog.cancel()
             self.check_statistics(pool.statistics(), closed=True)
         finally:
             if watchdog is not None:
                 watchdog.cancel()
             r.elapsed = time.monotonic() - started
-            live, zombies = self.observer.leftovers(before)
-            r.zombies_after_close = zombies
-            for _, text, seq in live:
-                if self.unverified_tree(seq):
-                    r.left_unverified += 1
-                    self.problem(f"left after close (its tree was not verified): {text}")
-                else:
-                    r.left += 1
-                    self.problem(f"left after close: {text}")
-            _kill(proc for proc, _, _ in live)
-            dirs = self.observer.dirs_left()
-            r.dirs_left = len(dirs)
-            for d in dirs:
-                self.problem(f"left after close: directory {d}")
+            await self.check_after_close(before, close_report)
         stats = pool.statistics()
         r.workers_started = stats.workers_started
         r.workers_replaced = stats.workers_replaced
@@ -944,6 +1030,55 @@ class Soak:
         r.chaos = dict(self.chaos)
         r.calls_per_s = r.settled / r.elapsed if r.elapsed else math.nan
         return r
+
+    async def check_after_close(
+        self, before: set[int], close_report: toolpool.CloseReport | None
+    ) -> None:
+        """What the pool left once ``aclose()`` returned: every process but the cleaner that
+        its report names (the pool's reaper staying on to remove files, or a helper) counts
+        at once; that cleaner gets :attr:`Config.cleanup_timeout` to finish, then counts too
+        if it is still there; then the directories, whatever the report said."""
+        r = self.report
+        cleaner = None
+        if close_report is not None:
+            r.close_report = close_report.format().replace("\n", "; ")
+            if not close_report.finished:
+                cleaner = self.observer.cleaner(close_report.cleaner_pid, before)
+                if close_report.cleaner_pid is not None and cleaner is None:
+                    self.problem(
+                        f"aclose() named cleaner {close_report.cleaner_pid}, not a child of "
+                        "this run: counted as any other process"
+                    )
+            for failed in close_report.failed:
+                self.problem(f"aclose() reported not removed: {failed}")
+        else:
+            r.close_report = "none (the pool did not start, or its close raised)"
+        exempt = {cleaner.pid} if cleaner is not None else set()
+        live, zombies = self.observer.leftovers(before, exempt=exempt)
+        r.zombies_after_close = zombies
+        for _, text, seq in live:
+            if self.unverified_tree(seq):
+                r.left_unverified += 1
+                self.problem(f"left after close (its tree was not verified): {text}")
+            else:
+                r.left += 1
+                self.problem(f"left after close: {text}")
+        _kill(proc for proc, _, _ in live)
+        if cleaner is not None:
+            began = time.monotonic()
+            if await _wait_exit(cleaner, self.config.cleanup_timeout):
+                r.cleaner_wait = time.monotonic() - began
+            else:
+                r.left += 1
+                self.problem(
+                    f"the cleaner aclose() named (pid {cleaner.pid}) was still on "
+                    f"{self.config.cleanup_timeout}s later: killed"
+                )
+                _kill([cleaner])
+        dirs = self.observer.dirs_left()
+        r.dirs_left = len(dirs)
+        for d in dirs:
+            self.problem(f"left after close: directory {d}{_contents(d)}")
 
     def unverified_tree(self, seq: int | None) -> bool:
         """Whether call ``seq`` ran on a worker whose death the pool could not verify: it
@@ -1051,6 +1186,7 @@ def _parse(argv: list[str] | None) -> tuple[Config, bool]:
     p.add_argument("--term-grace", type=float, default=0.25)
     p.add_argument("--chaos-gap", type=float, default=0.25)
     p.add_argument("--stall-timeout", type=float, default=60.0)
+    p.add_argument("--cleanup-timeout", type=float, default=60.0)
     p.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     p.add_argument("--warm-spares", type=int, default=0)
     p.add_argument("--prefetch", type=int, default=None)
@@ -1070,6 +1206,7 @@ def _parse(argv: list[str] | None) -> tuple[Config, bool]:
         term_grace=a.term_grace,
         chaos_gap=a.chaos_gap,
         stall_timeout=a.stall_timeout,
+        cleanup_timeout=a.cleanup_timeout,
         backend=a.backend,
         warm_spares=a.warm_spares,
         prefetch=a.prefetch,

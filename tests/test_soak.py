@@ -18,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import anyio
 import psutil
 import pytest
 
@@ -257,3 +258,87 @@ def test_the_soak_checker_claims_nothing_that_is_not_its_own() -> None:
         assert live == [], live
     finally:
         orphan.kill()
+
+
+#: A stand-in for the cleaner ``aclose()`` names: removes a directory once its stdin closes.
+CLEANER = "import shutil, sys; sys.stdin.read(); shutil.rmtree(sys.argv[1]); print('done')"
+
+
+def _cleaner(directory: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-c", CLEANER, str(directory)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+def _pool_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "toolpool-fake"
+    (directory / "w7").mkdir(parents=True)
+    (directory / "w7" / "ledger").write_text("")
+    return directory
+
+
+@pytest.mark.timeout(60)
+def test_the_soak_checker_waits_for_the_cleaner_aclose_names(tmp_path: Path) -> None:
+    """aclose() may return while its reaper still removes files (CloseReport): the checker
+    gives that process time to finish, and then finds nothing left."""
+    run = soak.Soak(soak.Config(calls=1, cleanup_timeout=30.0))
+    directory = _pool_dir(tmp_path)
+    run.observer.pool_dirs.add(str(directory))
+    before = {p.pid for p in psutil.Process().children()}
+    cleaner = _cleaner(directory)
+    report = toolpool.CloseReport(False, (str(directory),), (), cleaner.pid)
+    stdin = cleaner.stdin
+    assert stdin is not None
+
+    async def check() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run.check_after_close, before, report)
+            await anyio.wait_all_tasks_blocked()  # the checker waits for the cleaner now
+            assert directory.exists()  # nothing removed it yet: the wait is real
+            stdin.close()  # the cleaner may finish
+
+    try:
+        anyio.run(check)
+    finally:
+        cleaner.kill()
+        cleaner.wait()
+    r = run.report
+    assert (r.left, r.dirs_left) == (0, 0), r.problems
+    assert r.cleaner_wait is not None
+    assert "still being removed by process" in r.close_report
+    assert not directory.exists()
+
+
+@pytest.mark.timeout(60)
+def test_the_soak_checker_counts_a_cleaner_that_does_not_finish_and_anything_else(
+    tmp_path: Path,
+) -> None:
+    """The cleaner's time is bounded; past it, it is a leftover (and what it did not remove
+    a directory left). Any other process of the run counts at once, whatever aclose() said."""
+    run = soak.Soak(soak.Config(calls=1, cleanup_timeout=0.5))
+    directory = _pool_dir(tmp_path)
+    run.observer.pool_dirs.add(str(directory))
+    before = {p.pid for p in psutil.Process().children()}
+    cleaner = _cleaner(directory)  # its stdin stays open: it never finishes
+    other = subprocess.Popen(["sleep", "60"])  # a new child of the run: no cleaner
+    watched = [psutil.Process(cleaner.pid), psutil.Process(other.pid)]
+    report = toolpool.CloseReport(False, (str(directory),), (), cleaner.pid)
+    try:
+        anyio.run(run.check_after_close, before, report)
+        r = run.report
+        assert (r.left, r.dirs_left) == (2, 1), r.problems
+        assert r.cleaner_wait is None
+        assert any(f"cleaner aclose() named (pid {cleaner.pid})" in p for p in r.problems)
+        assert any(f"pid {other.pid} (a new child of the soak" in p for p in r.problems)
+        assert any("1 entries: w7" in p for p in r.problems), r.problems
+        # Both were killed (and reaped by the checker's kill: the pool reaps its own).
+        assert not watched[0].is_running()
+        assert not watched[1].is_running()
+    finally:
+        for proc in (cleaner, other):
+            proc.kill()
+            proc.wait()
+        if cleaner.stdin is not None:
+            cleaner.stdin.close()
