@@ -359,14 +359,35 @@ def leave_hidden_leftover(marker: str, how: str) -> int:
         clone = {"x86_64": 56, "aarch64": 220}[platform.machine()]
         python = ctypes.PyDLL(None)  # holds the GIL across the raw clone
         python.syscall.restype = ctypes.c_long
+        # Everything the child needs is made before the clone: a raw clone of a process with
+        # threads (the worker's) copies no lock holder, so the child must not allocate or take
+        # a lock before its exec. It calls execv(2) and _exit(2) straight from libc.
+        path = ctypes.c_char_p(command[0].encode())
+        argv = (ctypes.c_char_p * (len(command) + 1))(*[a.encode() for a in command], None)
+        execv, exit_now = python.execv, python._exit
         pid = int(python.syscall(clone, 0x00008000 | signal.SIGCHLD, 0, 0, 0, 0))  # CLONE_PARENT
         if pid == 0:
-            try:
-                os.execv(command[0], command)
-            finally:
-                os._exit(1)
+            execv(path, argv)
+            exit_now(1)
     shell = psutil.Process(pid)
-    while not shell.children():  # the shell forks its sleep on its own time
+    limit = 20.0  # (the test's own timeout is 60 s: this must say why first)
+    deadline = time.monotonic() + limit
+    # The shell forks its sleep on its own time; no event says when: a bounded poll.
+    while not shell.children():
+        status: str = "gone"
+        cmdline: list[str] = []
+        try:
+            status, cmdline = shell.status(), shell.cmdline()
+        except psutil.Error:
+            pass
+        dead = status in (psutil.STATUS_ZOMBIE, "gone")
+        if dead or time.monotonic() > deadline:
+            stuck = cmdline != command and not dead
+            raise RuntimeError(
+                f"process {pid} ({how}) did not start the sleep of {command}"
+                f"{'' if dead else f' within {limit:.0f} s'}: it is {status}, running "
+                f"{cmdline}{' (not yet exec-ed: stuck before its exec)' if stuck else ''}"
+            )
         time.sleep(0.001)
     return pid
 
