@@ -62,21 +62,22 @@ def _lose_ready_worker(core: PoolCore, clock: Clock) -> None:
 
 @pytest.mark.timeout(10)
 def test_sigkills_of_starting_workers_in_a_row_stop_the_respawns() -> None:
-    core, _, _ = core_with_workers(1, max_start_failures=3)
+    core, (w,), _ = core_with_workers(1, max_start_failures=3)
+    provider = w.provider  # the count is its workers' (the pool's one provider here)
     clock = Clock()
     _lose_ready_worker(core, clock)
     for _ in range(2):
         _sigkill_at_start(core, clock)
-        assert core.broken is None
+        assert provider.broken is None
     _sigkill_at_start(core, clock)
-    assert isinstance(core.broken, WorkerStartError)
-    assert "exited with status -9 at start" in str(core.broken)
+    assert isinstance(provider.broken, WorkerStartError)
+    assert "exited with status -9 at start" in str(provider.broken)
     assert not [w for w in core.workers.values() if not w.gone]  # no respawn storm
 
 
 @pytest.mark.timeout(10)
 def test_one_worker_that_says_hello_resets_the_count() -> None:
-    core, _, _ = core_with_workers(1, max_start_failures=3)
+    core, (w,), _ = core_with_workers(1, max_start_failures=3)
     clock = Clock()
     _lose_ready_worker(core, clock)
     for _ in range(2):
@@ -86,4 +87,5 @@ def test_one_worker_that_says_hello_resets_the_count() -> None:
     for _ in range(2):
         _sigkill_at_start(core, clock)
     assert core.broken is None
+    assert w.provider.broken is None
     assert _starting(core)  # and it goes on trying

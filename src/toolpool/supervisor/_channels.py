@@ -53,6 +53,7 @@ from ._workerio import (
     KILL_WAIT,
     WorkerIO,
     empty_cgroups,
+    end_group,
     open_worker,
     peer_pid,
     remove_dir,
@@ -334,6 +335,9 @@ class Channels:
         if w is not None and w.pid is not None:
             with anyio.move_on_after(KILL_WAIT):
                 await wait_pid_gone(w.pid)
+            # SIGKILL is delivered, not awaited: a member of its group may still run (under
+            # load, for a while) after the signal. Gone means gone: wait for each.
+            await end_group(w.pid, KILL_WAIT)
         if io is not None:
             if verified:
                 for path in reversed(io.cleanup):

@@ -25,6 +25,7 @@ __all__ = (
     "WorkerFiles",
     "WorkerIO",
     "empty_cgroups",
+    "end_group",
     "open_worker",
     "peer_pid",
     "remove_dir",
@@ -302,6 +303,50 @@ def remove_dir(path: str, *, cgroup: bool) -> None:
         cgroups.remove(path)
     else:
         _remove.remove_tree(path, ORPHAN_CLEANUP_BUDGET).close()
+
+
+def _live_group(pid: int) -> int | None:
+    """The process group of process ``pid`` if it is alive (not a zombie), else None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        return None if fields[0] in (b"Z", b"X") else int(fields[2])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``: a scan of ``/proc`` (blocking: run it
+    in a thread)."""
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and _live_group(int(e)) == pgid]
+
+
+async def end_group(pgid: int, timeout: float) -> bool:
+    """SIGKILL every process of process group ``pgid`` (a dead worker's: it leads its own)
+    and wait until none is left alive; False if some still live after ``timeout`` seconds.
+
+    Each member is signalled and awaited through a pidfd, checked to be in the group once
+    opened: a pidfd names one process whatever becomes of its pid number."""
+    with anyio.move_on_after(timeout):
+        while True:
+            members = await anyio.to_thread.run_sync(_group_members, pgid)
+            if not members:
+                return True
+            for pid in members:
+                try:
+                    fd = os.pidfd_open(pid)
+                except OSError:
+                    continue  # gone meanwhile
+                try:
+                    if _live_group(pid) == pgid:  # (still the process the scan saw)
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+                        await anyio.wait_readable(fd)  # readable once it has exited
+                except OSError:
+                    pass
+                finally:
+                    os.close(fd)
+    return False
 
 
 async def wait_pid_gone(pid: int) -> None:
