@@ -454,3 +454,38 @@ def test_the_child_program_uses_the_standard_library_only() -> None:
             imported.add(node.module.split(".")[0])
     assert imported, "the parse found no import at all"
     assert imported <= sys.stdlib_module_names, imported
+
+
+@pytest.mark.timeout(120)
+def test_the_documented_command_line_scores_a_mix_truthfully(tmp_path: Path) -> None:
+    """``toolpool batch ... --profile untrusted`` as docs/codeeval.md gives it, on a mix of
+    every kind of sample: the records say what the tool decided; no hostile one passes."""
+    chosen = [s for s in samples.COMPLETIONS if s.kind in ("correct", "hostile")][::4]
+    chosen += [s for s in samples.COMPLETIONS if s.kind == "wrong"][:2]
+    wanted = {s.id for s in chosen}
+    lines = [line for line in samples.lines() if json.loads(line)["id"] in wanted]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "verdicts.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "toolpool", "batch", "examples.codeeval.tools:registry",
+         str(inp), "-o", str(out), "--workers", "2", "--profile", "untrusted",
+         "--no-progress", "--json"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=110,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert summary["recorded"] == {"ok": len(chosen)}
+    verdicts = {}
+    for line in out.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        verdicts[record["id"]] = record["value"]["verdict"]
+    assert set(verdicts) == wanted
+    for sample in chosen:
+        assert verdicts[sample.id] in sample.expect, (sample.id, verdicts[sample.id])
+        if sample.kind == "hostile":
+            assert verdicts[sample.id] != "passed", sample.id
+    assert {verdicts[s.id] for s in chosen if s.kind == "correct"} == {"passed"}
+    assert not _strays()
