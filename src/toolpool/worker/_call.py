@@ -28,7 +28,7 @@ from ..core import (
     ToolDenied,
     cancel_with_runtime_cause,
 )
-from ._schema import ToolSignature
+from ..schema import ToolSignature
 
 # --------------------------------------------------------------------------- results
 
@@ -219,6 +219,13 @@ class _DispatchState:
         self.body_cancelled = False
         self.body_signal: CancelSignal | None = None
 
+    def dispatch(self, signal: CancelSignal, on_dispatch: Callable[[], object] | None) -> None:
+        """The body is about to be invoked, with ``signal``: ``on_dispatch`` is told first."""
+        self.body_signal = signal
+        if on_dispatch is not None:
+            on_dispatch()
+        self.body_started = True
+
 
 _log = logging.getLogger("toolpool.worker")
 
@@ -270,17 +277,10 @@ def _invoke_plain(
     if reason is not None:  # cancelled since the check in _prepare: never dispatched
         return _cancelled(run, started=False, reason=reason)
     state = _DispatchState()
-    state.body_signal = caller
-    if on_dispatch is not None:
-        on_dispatch()
-    state.body_started = True
-    if spec.signature.execution_param is not None:
-        kwargs = {**kwargs, spec.signature.execution_param: ToolExecution(run, caller)}
+    state.dispatch(caller, on_dispatch)
     try:
-        value = spec.fn(**kwargs) if sync_caller is None else sync_caller(spec.fn, kwargs)
+        value = _call_sync_body(spec.fn, _body_kwargs(spec, run, caller, kwargs), sync_caller)
     except BaseException as exc:  # a result, like any failure of a body (C2.6)
-        if isinstance(exc, StopIteration):
-            exc = _stop_iteration_error(exc)
         state.body_cancelled = caller.cancelled
         state.body_exc = exc
         # The worker's loop is asyncio's: its cancellation is asyncio.CancelledError.
@@ -290,12 +290,27 @@ def _invoke_plain(
     return _ok(run, value, started=True)
 
 
-def _stop_iteration_error(raised: StopIteration) -> RuntimeError:
-    """What a sync body's StopIteration becomes, on every path: what a coroutine turns it
-    into (PEP 479), as when the body's exception is raised again in one."""
-    exc = RuntimeError("coroutine raised StopIteration")
-    exc.__cause__ = raised
-    return exc
+def _body_kwargs(
+    spec: ToolSpec, run: _Run, signal: CancelSignal, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The body's keyword arguments: with its execution view (seeing ``signal``), if it
+    declares one."""
+    param = spec.signature.execution_param
+    return kwargs if param is None else {**kwargs, param: ToolExecution(run, signal)}
+
+
+def _call_sync_body(
+    fn: Callable[..., Any],
+    kwargs: dict[str, Any],
+    sync_caller: Callable[[Callable[..., Any], dict[str, Any]], Any] | None,
+) -> Any:
+    """A sync body invoked in this thread (through ``sync_caller``, if given). Its
+    StopIteration becomes what a coroutine turns it into (PEP 479), as on the path where a
+    body thread's exception is raised again in one: the same on every path."""
+    try:
+        return fn(**kwargs) if sync_caller is None else sync_caller(fn, kwargs)
+    except StopIteration as raised:
+        raise RuntimeError("coroutine raised StopIteration") from raised
 
 
 def _classify_failure(

@@ -201,7 +201,7 @@ class _Server:
                 args,
                 controller=controller,
                 call_id=str(call_id),
-                on_dispatch=lambda: self._record_invoked(call_id),
+                on_dispatch=lambda: self._invoked(call_id, False),
             )
         else:
             spec = self.specs.get(msg.tool)
@@ -280,22 +280,21 @@ class _Server:
     def _may_take(self) -> bool:  # (hostile_tools.py patches it)
         return not (self.hold or self.shutdown or not self.queue or self.acked < self.need_ack)
 
-    def _record_invoked(self, call_id: int) -> None:
+    def _invoked(self, call_id: int, is_async: bool) -> None:
         """The body is about to be invoked: the ledger says so first. ('started' is for the
         control thread to say, once started_at is set: so set it only after the mark, or a
-        'started' could go out for a body the ledger never saw invoked.)"""
-        if self.ledger is not None:
-            write_invoked(self.ledger, call_id)
-        self.started_at = time.monotonic()
-
-    def _invoked(self, call_id: int, is_async: bool) -> None:
-        """As _record_invoked; an async body is said 'started' at once, as it always was
-        (all under the lock: the control thread must not see it invoked and say it too)."""
+        'started' could go out for a body the ledger never saw invoked.) An async body is
+        said 'started' at once, as it always was, under the lock (the control thread must not
+        see it invoked and say it too)."""
         if not is_async:
-            self._record_invoked(call_id)
+            if self.ledger is not None:
+                write_invoked(self.ledger, call_id)
+            self.started_at = time.monotonic()
             return
         with self.mu:
-            self._record_invoked(call_id)
+            if self.ledger is not None:
+                write_invoked(self.ledger, call_id)
+            self.started_at = time.monotonic()
             self.said_started = call_id
             self._send(encode(Started(call_id)))
             if self.watching:  # the send may have consumed the edge it waits on
