@@ -5,7 +5,16 @@ Never imports :mod:`toolpool.worker`: workers are started by module path.
 
 from ._calls import Call, Group
 from ._pool import Pool
-from ._results import ContainmentReport, Layer, Result, Rung, Statistics, Timeline, WorkerState
+from ._results import (
+    ContainmentReport,
+    Layer,
+    Progress,
+    Result,
+    Rung,
+    Statistics,
+    Timeline,
+    WorkerState,
+)
 from ._sync import SyncCall, SyncPool
 
 __all__ = (
@@ -14,6 +23,7 @@ __all__ = (
     "Group",
     "Layer",
     "Pool",
+    "Progress",
     "Result",
     "Rung",
     "Statistics",

@@ -1,14 +1,15 @@
 """The shell's channels: starting a worker (its socket, files, the reaper's spawn), reading
-what it sends, watching its connection; the reaper's reports; and, after the reaper died,
-ending its workers' trees without it and starting a new one. Each turns what happens into
-an event of the core (``_core.py``) and lets the pool perform what the core asks
-(``Pool._pump``)."""
+what it sends, watching its connection; the reaper's reports; the clock (the core's timers);
+and, after the reaper died, ending its workers' trees without it and starting a new one.
+Each turns what happens into an event of the core (``_core.py``) and lets the pool perform
+what the core asks (``Pool._pump``)."""
 
 from __future__ import annotations
 
 import functools
 import json
 import logging
+import math
 import os
 import signal
 import struct
@@ -55,6 +56,7 @@ class Channels:
     start_method: str
     profile: Profile
     allow_background: bool
+    heartbeat: float | None
     capture_output: int | None
     worker_output: str
     _env: Mapping[str, str] | None
@@ -68,6 +70,8 @@ class Channels:
     _tg: anyio.abc.TaskGroup | None
     _fork_warned: bool
     _reaper_closing: bool
+    _clock_at: float
+    _clock_wake: anyio.Event | None
 
     def _pump(self) -> None:
         raise NotImplementedError
@@ -130,6 +134,8 @@ class Channels:
             "--members",
             io.members_file if io.members_fd is not None and io.members_file else "",
         ]
+        if self.heartbeat is not None:
+            argv += ["--heartbeat", repr(self.heartbeat)]
         if self.allow_background:
             argv.append("--allow-background")
         self._reaper.spawn(
@@ -319,3 +325,20 @@ class Channels:
             self._start_task(reaper.run)
         self._core.reaper_ready(time.monotonic())
         self._pump()
+
+    # ------------------------------------------------------------------ the clock
+
+    async def _clock(self) -> None:
+        core = self._core
+        while True:
+            self._clock_wake = anyio.Event()
+            when = core.next_deadline()
+            self._clock_at = math.inf if when is None else when
+            delay = self._clock_at - time.monotonic()
+            if delay > 0:
+                with anyio.move_on_after(delay):
+                    await self._clock_wake.wait()
+            now = time.monotonic()
+            if now >= self._clock_at:
+                core.timer(now)
+                self._pump()

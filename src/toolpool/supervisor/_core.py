@@ -129,6 +129,14 @@ class PoolCore(Lifecycle):
         except ProtocolViolation as exc:
             self._violated(w, f"protocol violation: {exc}")
 
+    def heartbeat(self, wid: int, now: float) -> None:
+        """Worker ``wid`` sent a heartbeat (its threads run). The shell passes heartbeat
+        messages to :meth:`message`, which comes here; a model may call it directly."""
+        self.now = now
+        w = self.workers.get(wid)
+        if w is not None and not w.gone and w.violation is None and w.answered:
+            self._on_heartbeat(w)
+
     def violation(self, wid: int, text: str, now: float) -> None:
         """Worker ``wid`` sent what cannot be decoded (C7)."""
         self.now = now
@@ -231,6 +239,8 @@ class PoolCore(Lifecycle):
                 self._hello_overdue(key)
             elif kind == "respawn":
                 self._respawn_due()
+            elif kind == "beat":
+                self._beat_overdue(key)
 
     def due(self) -> bool:
         """Whether ``flush`` has anything to do or return."""
@@ -262,3 +272,7 @@ class PoolCore(Lifecycle):
 
     def in_flight(self) -> int:
         return sum(1 for w in self.workers.values() if w.calls)
+
+    def hung_count(self) -> int:
+        """Live workers that sent no heartbeat for HUNG_AFTER_BEATS intervals."""
+        return sum(1 for w in self.workers.values() if w.hung and not w.gone)

@@ -59,6 +59,7 @@ from ._records import (
     FirstHello,
     Kill,
     Orphaned,
+    Progressed,
     RestartReaper,
     Send,
     Settled,
@@ -127,6 +128,7 @@ class Pool(Channels):
         warm_spares: int = 0,
         start_method: StartMethod = "fork",
         prefetch: int | None = None,
+        heartbeat: float | None = 1.0,
     ) -> None:
         """
         :param tools: ``"module:attribute"`` naming the Registry.
@@ -163,6 +165,11 @@ class Pool(Channels):
             ``untrusted`` does): there the supervisor then looks for leftover processes
             itself after every call, which it cannot while another call is already queued
             in the worker (``docs/pool.md``).
+        :param heartbeat: seconds between each worker's heartbeats, sent by a thread that
+            never runs tool code. A worker that sends none for 3 intervals is *hung* (no
+            thread of it runs: a C extension holding the GIL), told apart from a tool that
+            ignores its signal (``Statistics.hung``, a log line; see ``docs/pool.md``,
+            "Liveness"). None: no heartbeats.
         """
         if not isinstance(tools, str) or ":" not in tools:
             raise ConfigurationError(f"tools must be 'module:attribute', got {tools!r}")
@@ -172,6 +179,7 @@ class Pool(Channels):
             ("cancel_grace", cancel_grace),
             ("term_grace", term_grace),
             ("start_timeout", start_timeout),
+            ("heartbeat", 1.0 if heartbeat is None else heartbeat),
         ):
             if (
                 isinstance(value, bool)
@@ -198,6 +206,9 @@ class Pool(Channels):
             raise TypeError(f"profile must be a toolpool.Profile or a name, not {profile!r}")
         self.profile = profile
         self.allow_background = bool(allow_background)
+        if heartbeat is not None and not heartbeat > 0:
+            raise ValueError("heartbeat must be a positive number of seconds, or None")
+        self.heartbeat = None if heartbeat is None else float(heartbeat)
         _check_count("warm_spares", warm_spares, minimum=0)
         self.warm_spares = warm_spares
         if start_method not in ("fork", "spawn"):
@@ -224,6 +235,7 @@ class Pool(Channels):
                 max_start_failures=max_start_failures,
                 allow_background=self.allow_background,
                 memory_cap=profile.memory,
+                heartbeat=self.heartbeat,
             ),
             self._files,  # the probe: the ledger and cgroup files it holds open
             lambda: secrets.token_hex(32).encode(),
@@ -498,6 +510,7 @@ class Pool(Channels):
             workers_started=core.started_count,
             workers_replaced=core.replaced,
             submitted=core.submitted,
+            hung=core.hung_count(),
         )
 
     def containment(self) -> ContainmentReport:
@@ -607,6 +620,7 @@ class Pool(Channels):
                     call._event.set()
                 if call._started_event is not None:
                     call._started_event.set()
+                call._wake_progress()  # (its progress updates end)
             elif kind is Send:
                 send: Send = action  # type: ignore[assignment]
                 io = self._io.get(send.wid)
@@ -626,6 +640,8 @@ class Pool(Channels):
                     sent_to.append(io)
             elif kind is Started:
                 action[0]._wake_started()  # type: ignore[union-attr,misc]
+            elif kind is Progressed:
+                action[0]._wake_progress()  # type: ignore[union-attr,misc]
             elif kind is Changed:
                 if self._changed is not None:
                     self._changed.set()
@@ -662,23 +678,6 @@ class Pool(Channels):
             elif kind is RestartReaper and self._tg is not None:
                 self._start_task(self._restart_reaper)
         return sent_to
-
-    # ------------------------------------------------------------------ the clock
-
-    async def _clock(self) -> None:
-        core = self._core
-        while True:
-            self._clock_wake = anyio.Event()
-            when = core.next_deadline()
-            self._clock_at = math.inf if when is None else when
-            delay = self._clock_at - time.monotonic()
-            if delay > 0:
-                with anyio.move_on_after(delay):
-                    await self._clock_wake.wait()
-            now = time.monotonic()
-            if now >= self._clock_at:
-                core.timer(now)
-                self._pump()
 
     def __repr__(self) -> str:
         return f"<toolpool.Pool {self.tools_spec!r} workers={self.size} {self._state}>"

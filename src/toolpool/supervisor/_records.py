@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final, NamedTuple
 
 from ..core import CancelCause, CancelController, CancelSignal
-from ._results import Result, Rung, WorkerState
+from ._results import Progress, Result, Rung, WorkerState
 
 __all__ = (
     "KILLED_TEXT",
@@ -30,6 +30,7 @@ __all__ = (
     "GroupRecord",
     "Kill",
     "Orphaned",
+    "Progressed",
     "RestartReaper",
     "Send",
     "Settled",
@@ -67,6 +68,7 @@ class CallRecord:
         "_forced",
         "_group",
         "_laddering",
+        "_progress",
         "_queued",
         "_recalling",
         "_requeued",
@@ -102,6 +104,7 @@ class CallRecord:
         self._recalling = False  # a recall (or the worker's shutdown) may withdraw it
         self._requeued = False  # run elsewhere once, first in line in a worker that died
         self._times: dict[str, float] = {"submitted": now}
+        self._progress: Progress | None = None  # what its body last reported
 
 
 class GroupRecord:
@@ -131,6 +134,9 @@ class WorkerRecord:
         "acks_expected",
         "answered",
         "awaiting_fatal",
+        "beat_at",
+        "budget",
+        "budget_at",
         "calls",
         "catalog",
         "disconnected",
@@ -141,6 +147,7 @@ class WorkerRecord:
         "gone_deferred",
         "head_since",
         "holding",
+        "hung",
         "lost_reason",
         "oom_kills",
         "orphaned",
@@ -190,6 +197,13 @@ class WorkerRecord:
         self.peer_pid: int | None = None  # who sent its first message (SO_PEERCRED)
         self.oom_kills = 0  # OOM kills in its memory cgroup, as the reaper read them at exit
         self.pending: Callable[..., None] | None = None  # settles its call once cleaned up
+        # Liveness (Pool(heartbeat=...)): when it last said hello or sent a heartbeat, and
+        # whether it sent none for HUNG_AFTER_BEATS intervals since.
+        self.beat_at = 0.0
+        self.hung = False
+        # What it may still send unasked (heartbeats, progress) before it floods (C7).
+        self.budget = 0.0
+        self.budget_at = 0.0
 
     @property
     def call(self) -> CallRecord | None:
@@ -270,6 +284,12 @@ class Started(NamedTuple):
     call: CallRecord
 
 
+class Progressed(NamedTuple):
+    """``call``'s body reported progress (``call._progress``): wake whoever follows it."""
+
+    call: CallRecord
+
+
 class Changed(NamedTuple):
     """The workers changed (one became ready, failed, or is gone)."""
 
@@ -291,6 +311,7 @@ Action = (
     | RestartReaper
     | Settled
     | Started
+    | Progressed
     | Changed
     | FirstHello
 )

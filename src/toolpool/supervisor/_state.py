@@ -47,6 +47,7 @@ class CoreConfig:
     allow_background: bool = False
     memory_cap: int | None = None  # the profile's, for the OOM text
     has_reaper_cleanup: bool = True  # the reaper kills leftovers (False: nobody can)
+    heartbeat: float | None = None  # seconds between a worker's heartbeats (None: none sent)
 
 
 class Probe(Protocol):

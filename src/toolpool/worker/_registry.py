@@ -39,6 +39,7 @@ from ._call import (
     DispatchExecution,
     PostPolicy,
     PrePolicy,
+    ProgressSink,
     ResultObserver,
     ToolExecution,
     ToolResult,
@@ -138,6 +139,9 @@ class Registry:
         #: How sync bodies are invoked: None in a thread (in-process, C2.5); the worker
         #: process sets it to invoke them inline, on its main thread: ``caller(fn, kwargs)``.
         self._sync_caller: Callable[[Callable[..., Any], dict[str, Any]], Any] | None = None
+        #: Where ``execution.report_progress()`` goes: None drops it (in-process); the worker
+        #: process sets it to send the reports to the supervisor.
+        self._progress_sink: ProgressSink | None = None
 
     # ---- registration
 
@@ -402,7 +406,7 @@ class Registry:
     ) -> ToolResult:
         spec = self._tools.get(name)
         finalizer = spec.finalize if spec is not None else None
-        prepared = _prepare(spec, name, args, call_id, caller)
+        prepared = _prepare(spec, name, args, call_id, caller, self._progress_sink)
         if isinstance(prepared, ToolResult):
             candidate = prepared
         else:
@@ -446,7 +450,7 @@ class Registry:
         spec = self._tools[name]
         finalizer = spec.finalize
         try:
-            prepared = _prepare(spec, name, args, call_id, controller.signal)
+            prepared = _prepare(spec, name, args, call_id, controller.signal, self._progress_sink)
             if isinstance(prepared, ToolResult):
                 candidate = prepared
             else:
