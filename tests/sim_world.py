@@ -3,9 +3,10 @@
 The core is driven through random schedules against a model of the world: worker processes
 that take calls in order, mark their ledger, run bodies that return, cooperate, ignore their
 signal, crash, or leave processes behind, answer cancels, recalls and shutdowns as the real
-worker does, and sometimes send garbage; a reaper whose reports come in their own order, and
-whose trees may outlive a worker's pid; the reaper's own death; and virtual time. After every
-step the contract's invariants are checked (``check``).
+worker does, send heartbeats and progress, hang (no thread runs: no heartbeat, nothing read,
+as under a C extension that holds the GIL), and sometimes send garbage; a reaper whose
+reports come in their own order, and whose trees may outlive a worker's pid; the reaper's own
+death; and virtual time. After every step the contract's invariants are checked (``check``).
 
 A schedule is a seed plus a list of steps; steps name workers and calls by index modulo what
 exists, so any sub-list of a schedule is a schedule too. Replaying (seed, steps) is exact. A
@@ -39,8 +40,10 @@ from toolpool.protocol import (
     Call,
     Cancel,
     CancelAck,
+    Heartbeat,
     Hello,
     Pong,
+    Progress,
     Recall,
     Resume,
     Shutdown,
@@ -60,6 +63,7 @@ from toolpool.supervisor._records import (
     GroupRecord,
     Kill,
     Orphaned,
+    Progressed,
     ProviderSpec,
     RestartReaper,
     Send,
@@ -93,6 +97,8 @@ CANCEL_GRACE = 1.0
 TERM_GRACE = 0.5
 START_TIMEOUT = 5.0
 UNKILLABLE_AFTER = 3.0
+HEARTBEAT = 0.4
+HUNG_AFTER = HEARTBEAT * 3  # (the core's HUNG_AFTER_BEATS)
 
 
 class Violation(AssertionError):
@@ -109,6 +115,7 @@ class Body:
     steps: int = 0
     cancelled: bool = False
     invoked: bool = False
+    said_started: bool = False
 
 
 @dataclass
@@ -137,6 +144,8 @@ class FakeWorker:
     # (then the worst one it got does).
     frozen: bool = False
     pending_signal: int | None = None
+    hung: bool = False  # no thread of it runs: it reads nothing, does nothing, sends nothing
+    beat_due: float = 0.0
 
 
 class World:
@@ -157,6 +166,7 @@ class World:
             max_start_failures=1000,
             drain_grace=0.5,
             unkillable_after=UNKILLABLE_AFTER,
+            heartbeat=HEARTBEAT,
         )
         self.secrets = iter(range(1, 1 << 30))
         self.core = PoolCore(config, self.probe, lambda: b"s%032d" % next(self.secrets))
@@ -178,6 +188,8 @@ class World:
         self.unkillable_seen: set[int] = set()  # wids the core reported unkillable
         self.held_by_unkillable: set[int] = set()  # calls their unkillable worker held then
         self.awaiting_replacement: list[int] = []  # reported unkillable in this flush
+        self.heard_at: dict[int, float] = {}  # wid -> when its hello or heartbeat was read
+        self.progress_at_settle: dict[int, Any] = {}  # call id -> its progress then
 
     # ---- the core's side
 
@@ -253,6 +265,7 @@ class World:
         elif isinstance(action, Terminate | Kill):
             w = self.workers[action.wid]
             self.check_signal(w, action)
+            self.check_grace(w, action)
             if isinstance(action, Terminate):
                 body = w.current
                 if body is not None and body.tool == "stubborn":
@@ -271,6 +284,9 @@ class World:
             self.reports.append(("reaper_ready",))
         elif isinstance(action, Settled):
             self.on_settled(action.call)
+        elif isinstance(action, Progressed):
+            if not self.invoked_by.get(action.call.id):
+                raise Violation(f"call {action.call.id} reported progress, never invoked")
         elif isinstance(action, StartedAction):
             if not self.invoked_by.get(action.call.id):
                 raise Violation(f"call {action.call.id} reported started, never invoked")
@@ -356,13 +372,23 @@ class World:
             w = live[step[1] % len(live)]
             if w.alive:
                 w.violated = True
-                choice = step[2] % 3
+                choice = step[2] % 4
                 if choice == 0:
                     core.violation(w.wid, "protocol violation: garbage", self.now)
                 elif choice == 1:
                     w.outbox.append(Pong(1))
-                else:
+                elif choice == 2:
                     w.outbox.append(ResultMessage(10**9, "ok", None, None, None, True, {}, 0, {}))
+                else:  # progress for a call it does not run (settled, perhaps): ignored
+                    settled = [c.id for c in self.calls if c._result is not None] or [10**9]
+                    w.outbox.append(Progress(settled[step[1] % len(settled)], 1.0, None, None))
+        elif kind == "hang" and live:
+            # Its body enters a C call that holds the GIL (or it leaves one): no thread of
+            # the worker runs. Again: the call returns, the worker goes on.
+            w = live[step[1] % len(live)]
+            if w.alive:
+                w.hung = not w.hung
+                w.beat_due = self.now
         elif kind == "reaper_lost":
             if self.reaper_up and not any(w.frozen for w in self.workers.values()):
                 self.reaper_up = False
@@ -387,6 +413,7 @@ class World:
                         self.deliver(w)
                 self.flush()
             self.now += dt
+            self.beat()
             core.timer(self.now)
         self.flush()
 
@@ -415,9 +442,21 @@ class World:
             policy = Autoscale(minimum=1, maximum=1 + size % 3, grow_after=0.05, idle_after=0.5)
             core.autoscale(name, policy if size % 3 else None, self.now)
 
+    def beat(self) -> None:
+        """Time passed: each worker whose threads run sent its heartbeats meanwhile; they
+        arrive before the core's timers run (the shell reads sockets as messages come)."""
+        for w in list(self.workers.values()):
+            if w.alive and not w.hung and w.wid in self.core.workers and self.now >= w.beat_due:
+                w.beat_due = self.now + HEARTBEAT
+                w.outbox.append(Heartbeat())
+                while w.outbox and w.wid in self.core.workers:
+                    self.deliver(w)
+
     def deliver(self, w: FakeWorker) -> None:
         """The core reads w's next message (the shell does so whenever it arrives)."""
         msg = w.outbox.popleft()
+        if isinstance(msg, Hello | Heartbeat):
+            self.heard_at[w.wid] = self.now
         self.core.message(w.wid, msg, self.now, peer_pid=w.pid)
 
     def report(self) -> None:
@@ -459,7 +498,7 @@ class World:
 
     def work(self, w: FakeWorker) -> None:
         """w does one thing, as the real worker would: read a message, or move its call on."""
-        if not w.alive or w.frozen:
+        if not w.alive or w.frozen or w.hung:
             return
         if w.inbox:
             msg = w.inbox.popleft()
@@ -506,10 +545,13 @@ class World:
             if body.tool.removeprefix("x_") in ("slow", "coop", "stubborn", "async") and (
                 self.rng.random() < 0.7
             ):
+                body.said_started = True
                 w.outbox.append(Started(body.call_id))
             return
         body.steps += 1
         tool = body.tool.removeprefix("x_")  # (extra's tools behave as their namesakes)
+        if body.said_started and self.rng.random() < 0.3:  # (only once said started)
+            w.outbox.append(Progress(body.call_id, float(body.steps), None, None))
         if tool == "crash":
             self.die(w, 1)
         elif tool == "quick" or (tool == "slow" and body.steps >= 3):
@@ -552,6 +594,7 @@ class World:
         self.settled[call.id] += 1
         if self.settled[call.id] > 1:
             raise Violation(f"call {call.id} settled twice")
+        self.progress_at_settle[call.id] = call._progress
         result = call._result
         if result is None:
             raise Violation(f"call {call.id} settled without a result")
@@ -588,8 +631,42 @@ class World:
                 "which nobody cancelled"
             )
 
+    def check_grace(self, w: FakeWorker, action: Any) -> None:
+        """The call a SIGTERM escalates had its whole cooperative grace (C4.1), also when its
+        worker is hung: being hung shortens nothing (a forced cancel goes straight to
+        SIGKILL, as for any)."""
+        core_w = self.core.workers.get(w.wid)
+        if not isinstance(action, Terminate) or core_w is None:
+            return
+        for call in core_w.calls:
+            if call._times.get("sigterm") != self.now or call._forced:
+                continue
+            asked = call._times.get("cancel_requested")
+            if asked is None or self.now - asked < CANCEL_GRACE - 1e-9:
+                raise Violation(
+                    f"SIGTERM of worker {w.wid} (hung: {core_w.hung}) for call {call.id} "
+                    f"within its cancel grace (asked at {asked}, now {self.now})"
+                )
+
     def check(self) -> None:
         core = self.core
+        # Two-level liveness: the core says a worker is hung exactly when it has read
+        # neither hello nor heartbeat from it for HUNG_AFTER; one that beats never is.
+        for wid, core_w in core.workers.items():
+            heard = self.heard_at.get(wid)
+            if core_w.gone or core_w.violation is not None or heard is None:
+                continue
+            if not core_w.answered or core_w.start_failed:
+                continue
+            silent = self.now >= heard + HUNG_AFTER  # (the core's own arithmetic)
+            if core_w.hung != silent:
+                raise Violation(
+                    f"worker {wid}: the core says hung={core_w.hung}, but it was last heard "
+                    f"{self.now - heard:.3f} s ago (hung after {HUNG_AFTER} s)"
+                )
+        for call_id, progress in self.progress_at_settle.items():
+            if self.calls[call_id - 1]._progress is not progress:
+                raise Violation(f"call {call_id}'s progress changed after it settled")
         if self.sent_after_group_cancel:
             raise Violation(
                 f"calls sent after their group's cancel: {self.sent_after_group_cancel}"
@@ -712,6 +789,7 @@ class World:
                     self.reports.append(("gone", w.wid))
                     progressed = True
             self.now += 0.01 if progressed else 0.1  # a body that never ends: time goes on
+            self.beat()
             core.timer(self.now)
             self.flush()
 
@@ -729,6 +807,7 @@ STEP_KINDS = (
     ("tree", 3),
     ("crash", 1),
     ("garbage", 1),
+    ("hang", 1),
     ("reaper_lost", 0.3),
     ("provider", 0.6),
     ("freeze", 0.4),
@@ -747,7 +826,7 @@ def make_schedule(seed: int, length: int) -> list[tuple[Any, ...]]:
         elif kind == "cancel":
             steps.append((kind, rng.randrange(1000), rng.random() < 0.3))
         elif kind == "garbage":
-            steps.append((kind, rng.randrange(8), rng.randrange(3)))
+            steps.append((kind, rng.randrange(8), rng.randrange(4)))
         elif kind in ("report", "reaper_lost"):
             steps.append((kind,))
         elif kind == "provider":

@@ -8,6 +8,7 @@ See ``docs/protocol.md`` for the specification.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, TypeAlias
 
@@ -15,6 +16,8 @@ import msgpack
 
 __all__ = (
     "DEFAULT_MAX_FRAME",
+    "MAX_PROGRESS_MESSAGE",
+    "PROGRESS_INTERVAL",
     "Ack",
     "OUTCOME_NAMES",
     "PROTOCOL_VERSION",
@@ -22,9 +25,11 @@ __all__ = (
     "Cancel",
     "CancelAck",
     "Fatal",
+    "Heartbeat",
     "Hello",
     "Ping",
     "Pong",
+    "Progress",
     "ProtocolViolation",
     "Recall",
     "Result",
@@ -42,7 +47,7 @@ __all__ = (
 )
 
 #: The wire protocol's version; separate from the package version.
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 
 #: Default cap on one frame, in bytes (enforced by ZMQ_MAXMSGSIZE and again here). Decoding
 #: a hostile frame can cost about 64 bytes of memory per frame byte (a frame of nested empty
@@ -57,6 +62,10 @@ _CAUSE_KINDS: Final = frozenset({"user", "parent", "disposed", "timeout"})
 _MAX_ID: Final = 2**63 - 1
 _MAX_TEXT: Final = 64 * 1024
 _MAX_NAME: Final = 256
+#: The longest ``message`` a progress report carries (characters).
+MAX_PROGRESS_MESSAGE: Final = 1024
+#: A worker sends a call's progress at most this often (seconds; the latest report wins).
+PROGRESS_INTERVAL: Final = 0.05
 
 
 class ProtocolViolation(ValueError):
@@ -116,6 +125,33 @@ class CancelAck:
 
     def fields(self) -> list[Any]:
         return [self.call_id]
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """The worker is alive and its threads run: sent every heartbeat interval (the worker's
+    ``--heartbeat``), whether or not a body runs. No heartbeat for several intervals: the
+    worker is hung (something, such as a C extension, holds the GIL)."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+
+    def fields(self) -> list[Any]:
+        return []
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What the body of call ``call_id`` last reported of its progress (the latest value
+    wins: the worker coalesces reports, and sends at most one per its progress interval)."""
+
+    call_id: int
+    done: float
+    total: float | None
+    message: str | None
+    TYPE: ClassVar[str] = "progress"
+
+    def fields(self) -> list[Any]:
+        return [self.call_id, self.done, self.total, self.message]
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +297,9 @@ class Shutdown:
         return []
 
 
-WorkerMessage: TypeAlias = Hello | Fatal | Started | CancelAck | Withdrawn | Result | Pong
+WorkerMessage: TypeAlias = (
+    Hello | Fatal | Started | CancelAck | Withdrawn | Result | Pong | Heartbeat | Progress
+)
 SupervisorMessage: TypeAlias = Call | Cancel | Recall | Resume | Ack | Ping | Shutdown
 
 
@@ -381,6 +419,15 @@ def _bin(value: Any, what: str, *, optional: bool = False) -> Any:
     return value
 
 
+def _amount(value: Any, what: str) -> float:
+    """A progress amount: a finite, non-negative float (an int is accepted as one)."""
+    if type(value) is int and 0 <= value <= _MAX_ID:
+        return float(value)
+    if type(value) is not float or not (0.0 <= value < math.inf):
+        raise ProtocolViolation(f"{what} must be a finite, non-negative number")
+    return value
+
+
 def _arity(body: list[Any], n: int, name: str) -> None:
     if len(body) != n:
         raise ProtocolViolation(f"{name!r} takes {n} fields, got {len(body)}")
@@ -444,6 +491,17 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
     if kind == "pong":
         _arity(body, 1, kind)
         return Pong(_int_id(body[0], "nonce"))
+    if kind == "heartbeat":
+        _arity(body, 0, kind)
+        return Heartbeat()
+    if kind == "progress":
+        _arity(body, 4, kind)
+        return Progress(
+            _int_id(body[0], "call_id"),
+            _amount(body[1], "done"),
+            None if body[2] is None else _amount(body[2], "total"),
+            _text(body[3], "message", MAX_PROGRESS_MESSAGE, optional=True),
+        )
     if kind == "hello":
         _arity(body, 5, kind)
         report = body[4]

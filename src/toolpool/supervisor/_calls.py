@@ -6,7 +6,7 @@ about them is the core's, reached through the pool (``_pool.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, final
 
@@ -14,7 +14,7 @@ import anyio
 
 from ..core import CancelCause, PoolClosedError, cancel_with_runtime_cause, validate_cause
 from ._records import CallRecord, GroupRecord
-from ._results import Result
+from ._results import Progress, Result
 
 if TYPE_CHECKING:
     from ._pool import Pool
@@ -31,7 +31,14 @@ class Call(CallRecord):
     Created by :meth:`Pool.submit` and :meth:`Group.submit` only.
     """
 
-    __slots__ = ("_abandoned", "_event", "_on_settled", "_pool", "_started_event")
+    __slots__ = (
+        "_abandoned",
+        "_event",
+        "_on_settled",
+        "_pool",
+        "_progress_event",
+        "_started_event",
+    )
 
     def __init__(
         self,
@@ -50,6 +57,7 @@ class Call(CallRecord):
         # Told when the call settles, in the loop, right after its waiters are woken (a
         # map's collector: ``_map.py``).
         self._on_settled: Callable[[Call], object] | None = None
+        self._progress_event: anyio.Event | None = None
 
     def cancel(self, cause: object = None, *, force: bool = False) -> None:
         """Cancel the call. ``cause`` is None (``{"kind": "user"}``) or ``{"kind": "parent"}``.
@@ -120,6 +128,39 @@ class Call(CallRecord):
     def _wake_started(self) -> None:
         if self._started_event is not None:
             self._started_event.set()
+
+    @property
+    def progress(self) -> Progress | None:
+        """What the body last reported of its progress (``execution.report_progress``), or
+        None if it reported none. Kept once the call settled: the last report before it."""
+        return self._progress
+
+    async def progress_updates(self) -> AsyncIterator[Progress]:
+        """The call's progress reports as they arrive, starting with the latest one so far
+        (if any); ends when the call settles.
+
+        Reports that arrive while the consumer is busy are coalesced: it gets the latest,
+        never a backlog (the worker itself sends at most one every 50 ms). Several
+        consumers may iterate at once; each sees every report it was not too slow for.
+        """
+        seen: Progress | None = None
+        while True:
+            latest = self._progress
+            if latest is not None and latest is not seen:
+                seen = latest
+                yield latest
+                continue
+            if self._result is not None:
+                return
+            if self._progress_event is None:
+                self._progress_event = anyio.Event()
+            await self._progress_event.wait()
+
+    def _wake_progress(self) -> None:
+        """A report arrived, or the call settled: wake the iterators (each waits anew)."""
+        if self._progress_event is not None:
+            self._progress_event.set()
+            self._progress_event = None
 
     def __await__(self) -> Generator[Any, None, Result]:
         return self.wait().__await__()

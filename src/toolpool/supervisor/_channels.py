@@ -1,13 +1,15 @@
 """The shell's channels: starting a worker (its socket, files, the reaper's spawn), reading
-what it sends, watching its connection; the reaper's reports; and, after the reaper died,
-ending its workers' trees without it and starting a new one. Each turns what happens into
-an event of the core (``_core.py``); ``_pump`` then performs what the core asks."""
+what it sends, watching its connection; the reaper's reports; the clock (the core's timers);
+and, after the reaper died, ending its workers' trees without it and starting a new one.
+Each turns what happens into an event of the core (``_core.py``); ``_pump`` then performs
+what the core asks."""
 
 from __future__ import annotations
 
 import functools
 import json
 import logging
+import math
 import os
 import signal
 import struct
@@ -35,6 +37,7 @@ from ._records import (
     FirstHello,
     Kill,
     Orphaned,
+    Progressed,
     ProviderDown,
     ProviderResized,
     ProviderUp,
@@ -88,6 +91,7 @@ class Channels:
     start_timeout: float
     start_method: str
     profile: Profile
+    heartbeat: float | None
     worker_output: str
     _env: Mapping[str, str] | None
     _options: dict[str, ProviderOptions]
@@ -173,6 +177,8 @@ class Channels:
             "--members",
             io.members_file if io.members_fd is not None and io.members_file else "",
         ]
+        if self.heartbeat is not None:
+            argv += ["--heartbeat", repr(self.heartbeat)]
         if options.allow_background:
             argv.append("--allow-background")
         self._reaper.spawn(
@@ -408,6 +414,7 @@ class Channels:
                     call._event.set()
                 if call._started_event is not None:
                     call._started_event.set()
+                call._wake_progress()  # (its progress updates end)
                 if call._on_settled is not None:
                     call._on_settled(call)
             elif kind is Send:
@@ -429,6 +436,8 @@ class Channels:
                     sent_to.append(io)
             elif kind is Started:
                 action[0]._wake_started()  # type: ignore[union-attr,misc]
+            elif kind is Progressed:
+                action[0]._wake_progress()  # type: ignore[union-attr,misc]
             elif kind is Changed:
                 if self._changed is not None:
                     self._changed.set()
@@ -469,3 +478,20 @@ class Channels:
             elif kind is RestartReaper and self._tg is not None:
                 self._start_task(self._restart_reaper)
         return sent_to
+
+    # ------------------------------------------------------------------ the clock
+
+    async def _clock(self) -> None:
+        core = self._core
+        while True:
+            self._clock_wake = anyio.Event()
+            when = core.next_deadline()
+            self._clock_at = math.inf if when is None else when
+            delay = self._clock_at - time.monotonic()
+            if delay > 0:
+                with anyio.move_on_after(delay):
+                    await self._clock_wake.wait()
+            now = time.monotonic()
+            if now >= self._clock_at:
+                core.timer(now)
+                self._pump()

@@ -143,6 +143,14 @@ class PoolCore(Providers):
         except ProtocolViolation as exc:
             self._violated(w, f"protocol violation: {exc}")
 
+    def heartbeat(self, wid: int, now: float) -> None:
+        """Worker ``wid`` sent a heartbeat (its threads run). The shell passes heartbeat
+        messages to :meth:`message`, which comes here; a model may call it directly."""
+        self.now = now
+        w = self.workers.get(wid)
+        if w is not None and not w.gone and w.violation is None and w.answered:
+            self._on_heartbeat(w)
+
     def violation(self, wid: int, text: str, now: float) -> None:
         """Worker ``wid`` sent what cannot be decoded (C7)."""
         self.now = now
@@ -251,6 +259,8 @@ class PoolCore(Providers):
                 self.scale_due(key)
             elif kind == "unkillable":
                 self._kill_overdue(key)
+            elif kind == "beat":
+                self._beat_overdue(key)
 
     def due(self) -> bool:
         """Whether ``flush`` has anything to do or return."""
@@ -282,3 +292,7 @@ class PoolCore(Providers):
 
     def in_flight(self) -> int:
         return sum(1 for w in self.workers.values() if w.calls)
+
+    def hung_count(self) -> int:
+        """Live workers that sent no heartbeat for HUNG_AFTER_BEATS intervals."""
+        return sum(1 for w in self.workers.values() if w.hung and not w.gone)

@@ -184,16 +184,36 @@ class Escalation(Dispatch):
         if w.state is not WorkerState.UNKILLABLE:
             w.state = WorkerState.QUARANTINED
         self._signalled(w, call, Rung.SIGTERM)
+        why, text = self._why_unsettled(w, call)
         _log.info(
-            "worker %s (pid %s): SIGTERM to its tree for call %s (%s)",
+            "worker %s (pid %s): SIGTERM to its tree for call %s (%s): %s",
             w.wid,
             w.pid,
             call.id,
             call.tool,
-            extra={"worker_pid": w.pid, "call_id": call.id, "tool": call.tool, "rung": "sigterm"},
+            text,
+            extra={
+                "worker_pid": w.pid,
+                "call_id": call.id,
+                "tool": call.tool,
+                "rung": "sigterm",
+                "why": why,
+            },
         )
         if not w.gone:
             self._act(Terminate(w.wid))
+
+    def _why_unsettled(self, w: WorkerRecord, call: CallRecord) -> tuple[str, str]:
+        """Why a cancelled call did not settle cooperatively (the two levels of liveness):
+        ``hung``, its worker sends no heartbeat (no thread of it runs); ``ignores_signal``,
+        its worker answers and acknowledged the cancel, the tool goes on; ``unacknowledged``,
+        no cancel acknowledgement (without heartbeats, a worker too busy or hung to read it
+        looks the same)."""
+        if w.hung:
+            return "hung", f"its worker is hung (no heartbeat for {self.now - w.beat_at:.1f} s)"
+        if "cancel_delivered" in call._times:
+            return "ignores_signal", "the tool ignores its signal (its worker answers)"
+        return "unacknowledged", "its worker did not acknowledge the cancel"
 
     def _kill(self, w: WorkerRecord, call: CallRecord) -> None:
         """SIGKILL w's tree, escalating ``call``."""

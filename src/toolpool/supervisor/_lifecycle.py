@@ -9,12 +9,15 @@ from typing import Any, Final
 
 from ..core import WorkerStartError
 from ..protocol import (
+    PROGRESS_INTERVAL,
     PROTOCOL_VERSION,
     Ack,
     CancelAck,
     Fatal,
+    Heartbeat,
     Hello,
     Pong,
+    Progress,
     ProtocolViolation,
     Resume,
     Withdrawn,
@@ -30,6 +33,7 @@ from ._records import (
     Close,
     FirstHello,
     Orphaned,
+    Progressed,
     ProviderRecord,
     RestartReaper,
     Spawn,
@@ -39,11 +43,12 @@ from ._records import (
     WorkerRecord,
     WorkerUp,
 )
+from ._results import Progress as CallProgress
 from ._results import Rung, WorkerState
 from ._settlement import describe_exit
 from ._state import Proc, Wait
 
-__all__ = ("EXIT_TOOLS_FAILED", "Lifecycle")
+__all__ = ("EXIT_TOOLS_FAILED", "HUNG_AFTER_BEATS", "Lifecycle")
 
 _log = logging.getLogger("toolpool.supervisor")
 
@@ -53,6 +58,12 @@ EXIT_TOOLS_FAILED: Final = 71
 #: traceback) to arrive after the reaper's report of its exit (seconds).
 _FATAL_TRAILS_BY = 2.0
 REAPER_DIED: Final = "the pool's reaper process died"
+#: A worker that sent no heartbeat for this many heartbeat intervals is hung.
+HUNG_AFTER_BEATS: Final = 3
+#: What a worker may send unasked (heartbeats, progress): at most this many in a burst, and
+#: on average twice what an honest worker sends. More is a flood, which breaks the protocol
+#: (C7: it would cost the supervisor for free).
+_BUDGET_BURST: Final = 1000.0
 
 
 def _spawning(w: WorkerRecord) -> bool:
@@ -185,12 +196,85 @@ class Lifecycle(Escalation):
                 raise ProtocolViolation("an unexpected 'fatal' message")
             w.fatal = msg.error
             self._start_failure(w, msg.error)
+        elif isinstance(msg, Heartbeat):
+            if not w.answered:
+                raise ProtocolViolation("a heartbeat before its hello")
+            self._spend(w)
+            self._on_heartbeat(w)
+        elif isinstance(msg, Progress):
+            self._spend(w)
+            self._on_progress(w, msg)
         elif isinstance(msg, Pong):
             # The supervisor sends no pings: every pong is unsolicited. Harmless alone, but a
             # flood of them would cost the supervisor CPU and delay every other worker.
             raise ProtocolViolation("a pong it was not asked for")
         else:
             raise ProtocolViolation(f"unexpected message {type(msg).__name__}")
+
+    # ------------------------------------------------------------------ liveness, progress
+
+    def _hung_after(self) -> float | None:
+        beat = self.config.heartbeat
+        return None if beat is None else beat * HUNG_AFTER_BEATS
+
+    def _on_heartbeat(self, w: WorkerRecord) -> None:
+        """w's threads run (its hello counts as the first heartbeat)."""
+        silent, w.beat_at = self.now - w.beat_at, self.now
+        hung_after = self._hung_after()
+        if hung_after is None:
+            return
+        if w.hung:
+            w.hung = False
+            _log.info(
+                "worker %s (pid %s) answers again: a heartbeat after %.1f s of none",
+                w.wid,
+                w.pid,
+                silent,
+                extra={"worker_pid": w.pid},
+            )
+        if not w.answered:  # (the hello: from now on a heartbeat is expected)
+            self._arm(self.now + hung_after, "beat", w.wid)
+
+    def _beat_overdue(self, wid: int) -> None:
+        """The time by which w's next heartbeat was due when this timer was set: hung now,
+        or (a heartbeat came since) look again when the next one is due."""
+        w = self.workers.get(wid)
+        hung_after = self._hung_after()
+        if w is None or w.gone or hung_after is None:
+            return
+        due = w.beat_at + hung_after
+        if self.now < due:
+            self._arm(due, "beat", wid)
+            return
+        if not w.hung:
+            w.hung = True
+            call = w.call
+            _log.warning(
+                "worker %s (pid %s) is hung: no heartbeat for %.1f s (no thread of it runs: "
+                "a C extension holding the GIL, a stopped process)%s",
+                w.wid,
+                w.pid,
+                self.now - w.beat_at,
+                f"; it runs call {call.id} ({call.tool})" if call is not None else "",
+                extra={"worker_pid": w.pid, "call_id": call.id if call else None},
+            )
+        self._arm(self.now + hung_after, "beat", wid)
+
+    def _spend(self, w: WorkerRecord) -> None:
+        """One message w sent unasked: a flood of them breaks the protocol (C7)."""
+        beat = self.config.heartbeat
+        rate = 2.0 * ((1.0 / beat if beat else 0.0) + 1.0 / PROGRESS_INTERVAL)
+        budget = min(_BUDGET_BURST, w.budget + (self.now - w.budget_at) * rate) - 1.0
+        w.budget, w.budget_at = budget, self.now
+        if budget < 0:
+            raise ProtocolViolation("a flood of heartbeat and progress messages")
+
+    def _on_progress(self, w: WorkerRecord, msg: Progress) -> None:
+        call = w.call
+        if call is None or call.id != msg.call_id or not call._started:
+            raise ProtocolViolation(f"progress for call {msg.call_id}, whose body it does not run")
+        call._progress = CallProgress(msg.done, msg.total, msg.message)
+        self._act(Progressed(call))
 
     def _on_result(self, w: WorkerRecord, msg: ResultMessage) -> None:
         settle = self._received(w, msg)
@@ -284,6 +368,8 @@ class Lifecycle(Escalation):
             p.worker_layers = dict(msg.containment)
             self._act(FirstHello(p.worker_layers, p.name))
         w.state = WorkerState.READY
+        self._on_heartbeat(w)
+        w.budget, w.budget_at = _BUDGET_BURST, self.now
         w.answered = True
         w.head_since = self.now  # (idle since: the autoscaler reads it)
         p.start_failures = 0

@@ -63,6 +63,7 @@ def snapshot(core: PoolCore, probe: Probe, now: float, provider: str | None = No
         workers_unkillable=tally.unkillable,
         settle_latency=tally.settle_latency.snapshot(),
         kill_to_reaped=tally.kill_to_reaped.snapshot(),
+        hung=sum(1 for w in workers if w.hung and not w.gone),
     )
 
 

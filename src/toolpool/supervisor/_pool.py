@@ -122,6 +122,7 @@ class Pool(Channels, Hosting):
         prefetch: int | None = None,
         drain_grace: float = 30.0,
         unkillable_after: float = 10.0,
+        heartbeat: float | None = 1.0,
     ) -> None:
         """
         :param tools: ``"module:attribute"`` naming the Registry of the ``"default"``
@@ -167,6 +168,11 @@ class Pool(Channels, Hosting):
             reaped whenever it dies; its call settles only then. ``aclose()`` waits no
             longer for it and names it in its report (``docs/pool.md``, "Unkillable
             workers"). A SIGKILLed tree is normally gone within milliseconds.
+        :param heartbeat: seconds between each worker's heartbeats, sent by a thread that
+            never runs tool code. A worker that sends none for 3 intervals is *hung* (no
+            thread of it runs: a C extension holding the GIL), told apart from a tool that
+            ignores its signal (``Statistics.hung``, a log line; see ``docs/pool.md``,
+            "Liveness"). None: no heartbeats.
         """
         check_count("max_start_failures", max_start_failures, minimum=1)
         for name, value in (
@@ -175,6 +181,7 @@ class Pool(Channels, Hosting):
             ("start_timeout", start_timeout),
             ("drain_grace", drain_grace),
             ("unkillable_after", unkillable_after),
+            ("heartbeat", 1.0 if heartbeat is None else heartbeat),
         ):
             check_seconds(name, value)
         if worker_output not in ("discard", "inherit"):
@@ -224,6 +231,9 @@ class Pool(Channels, Hosting):
         self._env = dict(env) if env is not None else None
         self.profile = profile
         self.allow_background = bool(allow_background)
+        if heartbeat is not None and not heartbeat > 0:
+            raise ValueError("heartbeat must be a positive number of seconds, or None")
+        self.heartbeat = None if heartbeat is None else float(heartbeat)
         self.warm_spares = options.warm_spares if options is not None else 0
         self.start_method: StartMethod = start_method
         self.prefetch = options.prefetch if options is not None else DEFAULT_PREFETCH
@@ -245,6 +255,7 @@ class Pool(Channels, Hosting):
                 memory_cap=profile.memory,
                 drain_grace=self.drain_grace,
                 unkillable_after=self.unkillable_after,
+                heartbeat=self.heartbeat,
             ),
             self._files,  # the probe: the ledger and cgroup files it holds open
             lambda: secrets.token_hex(32).encode(),
@@ -633,23 +644,6 @@ class Pool(Channels, Hosting):
     def _group_cancelled(self, group: Group, cause: CancelCause) -> None:
         self._core.cancel_group(group, cause, time.monotonic())
         self._pump()
-
-    # ------------------------------------------------------------------ the clock
-
-    async def _clock(self) -> None:
-        core = self._core
-        while True:
-            self._clock_wake = anyio.Event()
-            when = core.next_deadline()
-            self._clock_at = math.inf if when is None else when
-            delay = self._clock_at - time.monotonic()
-            if delay > 0:
-                with anyio.move_on_after(delay):
-                    await self._clock_wake.wait()
-            now = time.monotonic()
-            if now >= self._clock_at:
-                core.timer(now)
-                self._pump()
 
     def __repr__(self) -> str:
         return f"<toolpool.Pool {self.tools_spec!r} workers={self.size} {self._state}>"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
 from ..core import CancelCause, CancelController, CancelSignal, WorkerStartError
-from ._results import Result, Rung, WorkerState
+from ._results import Progress, Result, Rung, WorkerState
 
 __all__ = (
     "KILLED_TEXT",
@@ -37,6 +37,7 @@ __all__ = (
     "ProviderResized",
     "ProviderSpec",
     "ProviderUp",
+    "Progressed",
     "RestartReaper",
     "Send",
     "Settled",
@@ -79,6 +80,7 @@ class CallRecord:
         "_index",
         "_laddering",
         "_owner",
+        "_progress",
         "_provider",
         "_queued",
         "_recalling",
@@ -118,6 +120,7 @@ class CallRecord:
         self._recalling = False  # a recall (or the worker's shutdown) may withdraw it
         self._requeued = False  # run elsewhere once, first in line in a worker that died
         self._times: dict[str, float] = {"submitted": now}
+        self._progress: Progress | None = None  # what its body last reported
 
 
 class GroupRecord:
@@ -215,6 +218,9 @@ class WorkerRecord:
         "acks_expected",
         "answered",
         "awaiting_fatal",
+        "beat_at",
+        "budget",
+        "budget_at",
         "calls",
         "catalog",
         "disconnected",
@@ -226,6 +232,7 @@ class WorkerRecord:
         "gone_deferred",
         "head_since",
         "holding",
+        "hung",
         "killed_at",
         "lost_reason",
         "oom_kills",
@@ -286,6 +293,13 @@ class WorkerRecord:
         self.killed_at: float | None = None  # when its tree was first asked SIGKILLed
         self.unkillable_pids: tuple[int, ...] = ()  # its tree's, when found unkillable
         self.replaced = False  # a replacement was started before it was gone (unkillable)
+        # Liveness (Pool(heartbeat=...)): when it last said hello or sent a heartbeat, and
+        # whether it sent none for HUNG_AFTER_BEATS intervals since.
+        self.beat_at = 0.0
+        self.hung = False
+        # What it may still send unasked (heartbeats, progress) before it floods (C7).
+        self.budget = 0.0
+        self.budget_at = 0.0
 
     @property
     def call(self) -> CallRecord | None:
@@ -376,6 +390,12 @@ class Started(NamedTuple):
     call: CallRecord
 
 
+class Progressed(NamedTuple):
+    """``call``'s body reported progress (``call._progress``): wake whoever follows it."""
+
+    call: CallRecord
+
+
 class Changed(NamedTuple):
     """The workers changed (one became ready, failed, or is gone)."""
 
@@ -442,6 +462,7 @@ Action = (
     | RestartReaper
     | Settled
     | Started
+    | Progressed
     | Changed
     | FirstHello
     | ProviderUp

@@ -17,6 +17,7 @@ __all__ = (
     "ContainmentReport",
     "Histogram",
     "Layer",
+    "Progress",
     "Result",
     "Rung",
     "Statistics",
@@ -221,6 +222,24 @@ class Statistics:
     kill_to_reaped: Histogram | None = None
     """Seconds from the SIGKILL of a worker's tree to the report that every process of it
     is gone."""
+    hung: int = 0
+    """Live workers that sent no heartbeat for ``HUNG_AFTER_BEATS`` heartbeat intervals: no
+    thread of theirs runs (a C extension holding the GIL, a stopped process). Counted in
+    :attr:`workers` by state as well (usually ``busy``); 0 with ``Pool(heartbeat=None)``."""
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What a call's body last reported of its progress (``execution.report_progress``):
+    ``call.progress`` and ``call.progress_updates()``."""
+
+    done: float
+    """How much is done (a finite, non-negative number, in the tool's own unit)."""
+    total: float | None = None
+    """Out of how much, if the tool said."""
+    message: str | None = None
+    """What the tool said it is doing (at most 1,024 characters)."""
 
 
 @final

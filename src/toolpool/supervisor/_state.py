@@ -154,6 +154,8 @@ class CoreConfig:
             memory_cap=self.memory_cap,
         )
 
+    heartbeat: float | None = None  # seconds between a worker's heartbeats (None: none sent)
+
 
 class Probe(Protocol):
     """What the core reads of a live worker between events (the shell: files it holds open)."""

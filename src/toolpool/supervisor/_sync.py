@@ -20,7 +20,7 @@ from ..core import PoolClosedError, validate_cause
 from ._calls import Call
 from ._map import MapIterator, SyncMapIterator, _Feed, drive_sync_map
 from ._pool import Pool
-from ._results import Result, Statistics
+from ._results import Progress, Result, Statistics
 
 __all__ = ("SyncCall", "SyncPool")
 
@@ -61,6 +61,12 @@ class SyncCall(concurrent.futures.Future[Result]):
     def tool(self) -> str:
         """The tool's name."""
         return self._call.tool
+
+    @property
+    def progress(self) -> Progress | None:
+        """What the body last reported of its progress, as :attr:`toolpool.Call.progress`
+        (the latest report the pool's loop received)."""
+        return self._call.progress
 
     def cancel(self, cause: object = None, *, force: bool = False) -> bool:
         """Cancel the call, as :meth:`toolpool.Call.cancel` (``cause`` validated here, at

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -28,7 +29,8 @@ from ..core import (
     ToolDenied,
     cancel_with_runtime_cause,
 )
-from ._schema import ToolSignature
+from ..protocol import MAX_PROGRESS_MESSAGE
+from ..schema import ToolSignature
 
 # --------------------------------------------------------------------------- results
 
@@ -78,6 +80,7 @@ class _Run:
         "caller_signal",
         "context",
         "dispatch_signal",
+        "progress",
         "tool",
     )
 
@@ -90,6 +93,7 @@ class _Run:
         self.caller_signal = caller_signal
         self.dispatch_signal = caller_signal
         self.context: dict[str, Any] = {}
+        self.progress: ProgressSink | None = None  # where report_progress() goes
 
 
 class _ViewBase:
@@ -139,8 +143,39 @@ class ToolExecution(_ViewBase):
         """The call's cancel signal: the only way a body learns of cancellation."""
         return self._signal
 
+    def report_progress(
+        self, done: float, total: float | None = None, message: str | None = None
+    ) -> None:
+        """Report how far the call has come: ``done`` (of ``total``, if known), with an
+        optional ``message`` (at most 1,024 characters are kept).
+
+        Cheap enough for a tight loop: reports are coalesced, the latest wins, and a worker
+        sends one at most every 50 ms, once the body has started; callers see it as
+        ``call.progress`` and ``call.progress_updates()``. Used directly in-process (no
+        pool), a registry drops the reports. Raises TypeError or ValueError for amounts
+        that are not finite, non-negative numbers, and a message that is not text.
+        """
+        done_f = _amount(done, "done")
+        total_f = None if total is None else _amount(total, "total")
+        if message is not None:
+            if not isinstance(message, str):
+                raise TypeError(f"message must be a str or None, not {type(message).__name__}")
+            message = message[:MAX_PROGRESS_MESSAGE]
+        sink = self._run.progress
+        if sink is not None:
+            sink(self._run.call_id, done_f, total_f, message)
+
     def __repr__(self) -> str:
         return f"<ToolExecution {self.tool!r} id={self.call_id!r} {self._signal!r}>"
+
+
+def _amount(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    amount = float(value)
+    if not (0.0 <= amount < math.inf):
+        raise ValueError(f"{name} must be a finite, non-negative number, got {value!r}")
+    return amount
 
 
 @final
@@ -173,6 +208,9 @@ class DispatchExecution(_ViewBase):
 
 
 # --------------------------------------------------------------------------- stage types
+
+ProgressSink = Callable[[str, float, float | None, str | None], None]
+"""Where a call's progress reports go: ``sink(call_id, done, total, message)``."""
 
 PrePolicy = Callable[[ToolExecution], Any]
 """``policy(execution)``: raise :class:`toolpool.ToolDenied` (or return False) to deny."""
@@ -219,6 +257,13 @@ class _DispatchState:
         self.body_cancelled = False
         self.body_signal: CancelSignal | None = None
 
+    def dispatch(self, signal: CancelSignal, on_dispatch: Callable[[], object] | None) -> None:
+        """The body is about to be invoked, with ``signal``: ``on_dispatch`` is told first."""
+        self.body_signal = signal
+        if on_dispatch is not None:
+            on_dispatch()
+        self.body_started = True
+
 
 _log = logging.getLogger("toolpool.worker")
 
@@ -234,6 +279,7 @@ def _prepare(
     args: Mapping[str, Any],
     call_id: str,
     caller: CancelSignal,
+    progress: ProgressSink | None = None,
 ) -> tuple[_Run, dict[str, Any]] | ToolResult:
     """A call's first steps (C2.4): its arguments frozen and bound, then the caller's signal
     checked; a result if the call ends here."""
@@ -250,6 +296,7 @@ def _prepare(
             "InvalidArguments",
         )
     run = _Run(name, call_id, frozen, caller)
+    run.progress = progress
     if caller.cancelled:
         return _cancelled(run, started=False, reason=caller.reason)
     return run, kwargs
@@ -270,17 +317,10 @@ def _invoke_plain(
     if reason is not None:  # cancelled since the check in _prepare: never dispatched
         return _cancelled(run, started=False, reason=reason)
     state = _DispatchState()
-    state.body_signal = caller
-    if on_dispatch is not None:
-        on_dispatch()
-    state.body_started = True
-    if spec.signature.execution_param is not None:
-        kwargs = {**kwargs, spec.signature.execution_param: ToolExecution(run, caller)}
+    state.dispatch(caller, on_dispatch)
     try:
-        value = spec.fn(**kwargs) if sync_caller is None else sync_caller(spec.fn, kwargs)
+        value = _call_sync_body(spec.fn, _body_kwargs(spec, run, caller, kwargs), sync_caller)
     except BaseException as exc:  # a result, like any failure of a body (C2.6)
-        if isinstance(exc, StopIteration):
-            exc = _stop_iteration_error(exc)
         state.body_cancelled = caller.cancelled
         state.body_exc = exc
         # The worker's loop is asyncio's: its cancellation is asyncio.CancelledError.
@@ -290,12 +330,27 @@ def _invoke_plain(
     return _ok(run, value, started=True)
 
 
-def _stop_iteration_error(raised: StopIteration) -> RuntimeError:
-    """What a sync body's StopIteration becomes, on every path: what a coroutine turns it
-    into (PEP 479), as when the body's exception is raised again in one."""
-    exc = RuntimeError("coroutine raised StopIteration")
-    exc.__cause__ = raised
-    return exc
+def _body_kwargs(
+    spec: ToolSpec, run: _Run, signal: CancelSignal, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The body's keyword arguments: with its execution view (seeing ``signal``), if it
+    declares one."""
+    param = spec.signature.execution_param
+    return kwargs if param is None else {**kwargs, param: ToolExecution(run, signal)}
+
+
+def _call_sync_body(
+    fn: Callable[..., Any],
+    kwargs: dict[str, Any],
+    sync_caller: Callable[[Callable[..., Any], dict[str, Any]], Any] | None,
+) -> Any:
+    """A sync body invoked in this thread (through ``sync_caller``, if given). Its
+    StopIteration becomes what a coroutine turns it into (PEP 479), as on the path where a
+    body thread's exception is raised again in one: the same on every path."""
+    try:
+        return fn(**kwargs) if sync_caller is None else sync_caller(fn, kwargs)
+    except StopIteration as raised:
+        raise RuntimeError("coroutine raised StopIteration") from raised
 
 
 def _classify_failure(

@@ -61,6 +61,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--members", default="", help="the cgroup v2 cgroup.procs listing the worker's tree"
     )
     parser.add_argument(
+        "--heartbeat",
+        type=float,
+        default=0.0,
+        help="seconds between heartbeats to the supervisor (0: none)",
+    )
+    parser.add_argument(
         "--allow-background",
         action="store_true",
         help="processes a call leaves behind are allowed: never wait for their clean-up",
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(EXIT_TOOLS_FAILED)
     sock.send(encode(Hello(PROTOCOL_VERSION, os.getpid(), secret, catalog, report)))
 
-    server = _Server(sock, registry, args.max_frame, capture, ledger, members)
+    server = _Server(sock, registry, args.max_frame, capture, ledger, members, args.heartbeat)
     server.allow_background = args.allow_background
     try:
         server.serve()

@@ -31,6 +31,7 @@ from ..core import (
     Outcome,
     cancel_with_runtime_cause,
 )
+from ..schema import inspect_tool
 from ._call import (
     ApprovalHook,
     AroundDispatch,
@@ -38,10 +39,13 @@ from ._call import (
     DispatchExecution,
     PostPolicy,
     PrePolicy,
+    ProgressSink,
     ResultObserver,
     ToolExecution,
     ToolResult,
     ToolSpec,
+    _body_kwargs,
+    _call_sync_body,
     _cancelled,
     _classify_failure,
     _deadline_timer,
@@ -55,12 +59,10 @@ from ._call import (
     _reason,
     _Run,
     _stage,
-    _stop_iteration_error,
 )
 from ._call import (
     DecodedArgs as DecodedArgs,
 )
-from ._schema import inspect_tool
 from ._threads import run_body_in_thread
 
 __all__ = (
@@ -137,6 +139,9 @@ class Registry:
         #: How sync bodies are invoked: None in a thread (in-process, C2.5); the worker
         #: process sets it to invoke them inline, on its main thread: ``caller(fn, kwargs)``.
         self._sync_caller: Callable[[Callable[..., Any], dict[str, Any]], Any] | None = None
+        #: Where ``execution.report_progress()`` goes: None drops it (in-process); the worker
+        #: process sets it to send the reports to the supervisor.
+        self._progress_sink: ProgressSink | None = None
 
     # ---- registration
 
@@ -336,10 +341,7 @@ class Registry:
             # The call is over: its signal's authority ends with it. A stray task that kept
             # the signal sees it cancelled ("disposed"), never a signal that seems alive (C2.1).
             fusion.close(expire=True)
-            self._in_flight -= 1
-            if self._in_flight == 0 and self._idle is not None:
-                self._idle.set()
-                self._idle = None
+            self._call_ended()
         return box[0]
 
     async def execute_owned(
@@ -362,10 +364,14 @@ class Registry:
             return await self._run(name, args, call_id, controller.signal, None, None, on_dispatch)
         finally:
             cancel_with_runtime_cause(controller, _DISPOSED_CAUSE)
-            self._in_flight -= 1
-            if self._in_flight == 0 and self._idle is not None:
-                self._idle.set()
-                self._idle = None
+            self._call_ended()
+
+    def _call_ended(self) -> None:
+        """A call counted in :attr:`in_flight` is over: wake :meth:`wait_idle` at zero."""
+        self._in_flight -= 1
+        if self._in_flight == 0 and self._idle is not None:
+            self._idle.set()
+            self._idle = None
 
     async def _run(
         self,
@@ -400,7 +406,7 @@ class Registry:
     ) -> ToolResult:
         spec = self._tools.get(name)
         finalizer = spec.finalize if spec is not None else None
-        prepared = _prepare(spec, name, args, call_id, caller)
+        prepared = _prepare(spec, name, args, call_id, caller, self._progress_sink)
         if isinstance(prepared, ToolResult):
             candidate = prepared
         else:
@@ -444,7 +450,7 @@ class Registry:
         spec = self._tools[name]
         finalizer = spec.finalize
         try:
-            prepared = _prepare(spec, name, args, call_id, controller.signal)
+            prepared = _prepare(spec, name, args, call_id, controller.signal, self._progress_sink)
             if isinstance(prepared, ToolResult):
                 candidate = prepared
             else:
@@ -500,25 +506,14 @@ class Registry:
             if body_signal.cancelled:
                 state.refused = True
                 raise AbortError(ABORTED_BEFORE_DISPATCH_TEXT, cause=body_signal.reason)
-            state.body_signal = body_signal
-            if on_dispatch is not None:
-                on_dispatch()
-            state.body_started = True
-            call_kwargs = kwargs
-            if spec.signature.execution_param is not None:
-                call_kwargs = {
-                    **kwargs,
-                    spec.signature.execution_param: ToolExecution(run, body_signal),
-                }
+            state.dispatch(body_signal, on_dispatch)
+            call_kwargs = _body_kwargs(spec, run, body_signal, kwargs)
             sync_caller = self._sync_caller
             try:
                 if spec.is_async:
                     value = await spec.fn(**call_kwargs)
                 elif sync_caller is not None:
-                    try:
-                        value = sync_caller(spec.fn, call_kwargs)
-                    except StopIteration as raised:
-                        raise _stop_iteration_error(raised) from raised
+                    value = _call_sync_body(spec.fn, call_kwargs, sync_caller)
                 else:
                     value = await run_body_in_thread(functools.partial(spec.fn, **call_kwargs))
             except BaseException as exc:

@@ -33,6 +33,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import math
 import os
 import resource
 import select
@@ -45,12 +46,15 @@ from typing import TYPE_CHECKING, Any
 
 from ..core import CancelCause, CancelController, cancel_with_runtime_cause
 from ..protocol import (
+    PROGRESS_INTERVAL,
     Ack,
     Call,
     Cancel,
     CancelAck,
+    Heartbeat,
     Ping,
     Pong,
+    Progress,
     ProtocolViolation,
     Recall,
     Result,
@@ -117,6 +121,7 @@ class _Server:
         capture: OutputCapture | None = None,
         ledger: mmap.mmap | None = None,
         members: int | None = None,
+        heartbeat: float = 0.0,
     ) -> None:
         import zmq
 
@@ -156,8 +161,22 @@ class _Server:
         self._readable = readable
         self._noblock = zmq.NOBLOCK
         self._loop: asyncio.AbstractEventLoop | None = None  # for calls with stages, async
+        # Liveness: a heartbeat every `heartbeat` seconds (0: none), sent by whichever thread
+        # has the socket: the control thread while a call runs, the main thread otherwise.
+        self.heartbeat = heartbeat
+        self.beat_due = 0.0 if heartbeat > 0 else math.inf  # when the next one is due
+        self._again: type[Exception] = zmq.Again
+        if heartbeat > 0:
+            # The idle main thread's recv returns after a heartbeat interval of silence.
+            sock.setsockopt(zmq.RCVTIMEO, max(1, int(heartbeat * 1000)))
+        # Progress: the body's latest report (call id, done, total, message), set on the main
+        # thread without the lock; the control thread sends it (PROGRESS_INTERVAL at most).
+        self.progress: tuple[str, float, float | None, str | None] | None = None
+        self.progress_new = False
+        self.progress_sent_at = -math.inf
 
         registry._sync_caller = self._call_sync  # sync bodies inline, here
+        registry._progress_sink = self._report_progress
 
     # The main thread.
 
@@ -172,14 +191,20 @@ class _Server:
                         raise self._failure
                     if self.shutdown and self.current is None:
                         break
+                    if time.monotonic() >= self.beat_due:  # (also in a stream of quick calls)
+                        self._beat(time.monotonic())
                     job = self._next()
                 self._fire_cancels()
                 if job is not None:
                     self._run(*job)
                     continue
                 # Nothing to do until a message comes. No call runs, so the control thread
-                # keeps off the socket: wait in zmq itself (no edge of its fd to miss).
-                frames = sock.recv_multipart()
+                # keeps off the socket: wait in zmq itself (no edge of its fd to miss), at
+                # most a heartbeat interval (RCVTIMEO).
+                try:
+                    frames = sock.recv_multipart()
+                except self._again:
+                    continue
                 with self.mu:
                     self._handle_frames(frames)
         finally:
@@ -201,7 +226,7 @@ class _Server:
                 args,
                 controller=controller,
                 call_id=str(call_id),
-                on_dispatch=lambda: self._record_invoked(call_id),
+                on_dispatch=lambda: self._invoked(call_id, False),
             )
         else:
             spec = self.specs.get(msg.tool)
@@ -257,6 +282,44 @@ class _Server:
             if loop is not None:
                 asyncio._set_running_loop(loop)
 
+    def _beat(self, now: float) -> int | None:
+        """With the lock, by the thread that has the socket: send a heartbeat if one is due.
+        Returns how long (ms) until the next one is (None: no heartbeats)."""
+        if self.heartbeat <= 0:
+            return None
+        if now >= self.beat_due:
+            self._send(encode(Heartbeat()))
+            self.beat_due = now + self.heartbeat
+        return max(1, math.ceil((self.beat_due - now) * 1000))
+
+    def _report_progress(
+        self, call_id: str, done: float, total: float | None, message: str | None
+    ) -> None:
+        """The registry's progress sink (``execution.report_progress``), on the main thread
+        (or a thread of the tool's): keep the latest report, and have the control thread
+        look, unless a report already waits for it. No lock: one assignment, then a flag."""
+        self.progress = (call_id, done, total, message)
+        if not self.progress_new:
+            self.progress_new = True
+            if self.watching:  # it may wait for a message: wake it
+                self._wake()
+
+    def _send_progress(self, now: float, call_id: int) -> int | None:
+        """With the lock, on the control thread, once call_id's body is said started: send
+        its latest progress report, unless one went out less than PROGRESS_INTERVAL ago.
+        Returns how long (ms) until it may (None: nothing waits)."""
+        if not self.progress_new:
+            return None
+        wait = self.progress_sent_at + PROGRESS_INTERVAL - now
+        if wait > 0:
+            return max(1, math.ceil(wait * 1000))
+        self.progress_new = False  # (before reading it: a report from now on sets it again)
+        report = self.progress
+        if report is not None and report[0] == str(call_id):  # (not a stray view's)
+            self._send(encode(Progress(call_id, *report[1:])))
+            self.progress_sent_at = now
+        return None
+
     def _next(self) -> tuple[Call, CancelController] | None:
         """With the lock, on the main thread: take up the next queued call, if it may be."""
         if not self._may_take():
@@ -280,22 +343,21 @@ class _Server:
     def _may_take(self) -> bool:  # (hostile_tools.py patches it)
         return not (self.hold or self.shutdown or not self.queue or self.acked < self.need_ack)
 
-    def _record_invoked(self, call_id: int) -> None:
+    def _invoked(self, call_id: int, is_async: bool) -> None:
         """The body is about to be invoked: the ledger says so first. ('started' is for the
         control thread to say, once started_at is set: so set it only after the mark, or a
-        'started' could go out for a body the ledger never saw invoked.)"""
-        if self.ledger is not None:
-            write_invoked(self.ledger, call_id)
-        self.started_at = time.monotonic()
-
-    def _invoked(self, call_id: int, is_async: bool) -> None:
-        """As _record_invoked; an async body is said 'started' at once, as it always was
-        (all under the lock: the control thread must not see it invoked and say it too)."""
+        'started' could go out for a body the ledger never saw invoked.) An async body is
+        said 'started' at once, as it always was, under the lock (the control thread must not
+        see it invoked and say it too)."""
         if not is_async:
-            self._record_invoked(call_id)
+            if self.ledger is not None:
+                write_invoked(self.ledger, call_id)
+            self.started_at = time.monotonic()
             return
         with self.mu:
-            self._record_invoked(call_id)
+            if self.ledger is not None:
+                write_invoked(self.ledger, call_id)
+            self.started_at = time.monotonic()
             self.said_started = call_id
             self._send(encode(Started(call_id)))
             if self.watching:  # the send may have consumed the edge it waits on
@@ -389,9 +451,8 @@ class _Server:
                 with self.mu:
                     if self.exiting:
                         return
-                    timeout = self._look()
                     # On the socket's fd only for a body said started (it also stirs at sends).
-                    watch = timeout is None and self.watching
+                    timeout, watch = self._look()
                 self._fire_cancels()
                 if watch != on_socket:
                     if watch:
@@ -408,20 +469,21 @@ class _Server:
                 if self.current is None:
                     self._wake()  # (the main thread may wait in recv: it sees it later)
 
-    def _look(self) -> int | None:
+    def _look(self) -> tuple[int | None, bool]:
         """With the lock, on the control thread: look after a call that takes time. Returns
-        how long to wait (ms) before looking again (None: until woken or a message comes)."""
+        how long to wait (ms) before looking again (None: until woken or a message comes),
+        and whether to wait on the socket too."""
         current = self.current
         now = time.monotonic()
         if current is None:
             if self.looking and now - self.active_at < IDLE_AFTER:
-                return int(TICK * 1000)
+                return int(TICK * 1000), False
             self.looking = False
-            return None
+            return None, False
         call_id = current[0]
         if not self.watching:
             if now - self.taken_at < QUICK_BODY_WAIT:
-                return int(TICK * 1000)
+                return int(TICK * 1000), False
             self.watching = True  # the socket is this thread's until the call ends
         started_at = self.started_at
         if self.said_started != call_id and started_at and now - started_at >= QUICK_BODY_WAIT:
@@ -430,8 +492,15 @@ class _Server:
         elif self.pending:
             self._flush()
         self._drain()
-        # Until its body is said started, look again soon; then only on a message.
-        return None if self.said_started == call_id else int(TICK * 1000)
+        beat = self._beat(now)
+        # Until its body is said started, look again soon; then on a message, a progress
+        # report, or the next heartbeat.
+        if self.said_started != call_id:
+            return int(TICK * 1000), False
+        report = self._send_progress(now, call_id)
+        if report is None or beat is None:
+            return (beat if report is None else report), True
+        return min(beat, report), True
 
     # What every call does.
 
@@ -467,6 +536,8 @@ class _Server:
         # Left processes behind: take up nothing more until the supervisor killed them.
         self.hold = leftovers > 0 and not self.allow_background
         self.current = None
+        self.progress = None  # the result says the rest: a report not sent yet is dropped
+        self.progress_new = False
         self.active_at = time.monotonic()
         packed = result._packed_value
         if packed is None and result.value is not None:
