@@ -472,7 +472,8 @@ def test_supervisor_sigkill_while_hostile_tools_run(
                 escaper = pool.submit("leave_cgroup", {{"marker": {marker!r}}})
                 await bomb.wait_started()
                 await escaper.wait_started()
-                cgroups = _cgroup_bases(pool)
+                cgroup_set = pool._options["default"].cgroups  # (white box)
+                cgroups = sorted(set(cgroup_set.base.values())) if cgroup_set else []
                 emit(
                     workers=pool.worker_pids,
                     methods=sorted(pool.worker_start_methods.values()),
@@ -581,9 +582,3 @@ def test_a_worker_that_says_a_tool_runs_elsewhere_than_the_others_say_is_refused
     assert second.catalog == {}
     assert second.state is WorkerState.QUARANTINED
     assert second not in provider.ready
-
-
-def _cgroup_bases(pool: toolpool.Pool) -> list[str]:
-    """The pool's default provider's cgroup directories (white box)."""
-    cgroups = pool._options["default"].cgroups
-    return sorted(set(cgroups.base.values())) if cgroups else []

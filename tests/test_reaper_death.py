@@ -193,9 +193,3 @@ async def test_the_reaper_killed_while_idle_and_while_closing() -> None:
         await pool.aclose()  # (in the nesting that started it: see Pool.aclose)
     assert not any(_alive(p) for p in pids)
     assert workers_of_reaper(first) == []
-
-
-def _cgroup_bases(pool: toolpool.Pool) -> list[str]:
-    """The pool's default provider's cgroup directories (white box)."""
-    cgroups = pool._options["default"].cgroups
-    return sorted(set(cgroups.base.values())) if cgroups else []

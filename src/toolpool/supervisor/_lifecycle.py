@@ -66,6 +66,12 @@ HUNG_AFTER_BEATS: Final = 3
 _BUDGET_BURST: Final = 1000.0
 
 
+#: The states of a worker that will never take a call again.
+_OUT_OF_SERVICE: Final = frozenset(
+    (WorkerState.RETIRING, WorkerState.QUARANTINED, WorkerState.UNKILLABLE, WorkerState.EXITED)
+)
+
+
 def _spawning(w: WorkerRecord) -> bool:
     return w.state is WorkerState.SPAWNING and not w.gone
 
@@ -94,17 +100,13 @@ class Lifecycle(Escalation):
         self._act(Spawn(wid, w.secret, p.name))
         return w
 
+    def _serves(self, w: WorkerRecord) -> bool:
+        """w serves or will: not gone, draining, retiring, quarantined or unkillable."""
+        return not w.gone and not w.draining and w.state not in _OUT_OF_SERVICE
+
     def _serving_count(self, p: ProviderRecord) -> int:
-        """p's workers that serve or will: not gone, retiring, draining or quarantined."""
-        return sum(
-            1
-            for w in self.workers.values()
-            if w.provider is p
-            and not w.gone
-            and not w.draining
-            and w.state
-            not in (WorkerState.RETIRING, WorkerState.QUARANTINED, WorkerState.UNKILLABLE)
-        )
+        """p's workers that serve or will."""
+        return sum(1 for w in self.workers.values() if w.provider is p and self._serves(w))
 
     def _top_up(self, p: ProviderRecord) -> list[WorkerRecord]:
         """Start workers until p has its size plus its warm spares; the ones started."""

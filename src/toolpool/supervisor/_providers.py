@@ -27,7 +27,6 @@ from ._records import (
     ProviderResized,
     ProviderSpec,
     ProviderUp,
-    WorkerRecord,
 )
 from ._results import WorkerState
 
@@ -187,13 +186,6 @@ class Providers(Lifecycle):
 
     # ------------------------------------------------------------------ decisions
 
-    def _serves(self, w: WorkerRecord) -> bool:
-        return (
-            not w.gone
-            and not w.draining
-            and w.state not in (WorkerState.RETIRING, WorkerState.QUARANTINED)
-        )
-
     def _maybe_activate(self, p: ProviderRecord) -> None:
         """p is starting: once every worker it started with is ready (hello said, and the
         reaper reported how it started it), its tools become resolvable."""
@@ -275,8 +267,13 @@ class Providers(Lifecycle):
             if w.provider is p and not w.gone:
                 if w.state is WorkerState.READY and not w.calls:
                     self._retire(w)
+                elif w.state is WorkerState.SPAWNING:
+                    # Its start counts as failed with the rest: a 'fatal' it may still send
+                    # (the same import error) is expected, not a violation.
+                    w.start_failed = w.answered = True
+                    self._quarantine(w, None)
                 elif w.state is not WorkerState.RETIRING:
-                    self._quarantine(w, None)  # (spawning: nothing runs there yet)
+                    self._quarantine(w, None)
         if p.name == "default" and self.starting and self.broken is None:
             self.broken = p.broken  # the pool's own start failed
         self._fail_queue(p)
