@@ -57,13 +57,29 @@ def anyio_backend() -> str:
 
 
 def _strays() -> list[psutil.Process]:
-    """Every process on the machine running the tool's child program (or forked from one)."""
+    """Every process on the machine running the tool's child program (or forked from one),
+    but another test run's: a suite running beside this one has children of its own."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info.get("cmdline") or []
-        if any(CHILD_MARK in part for part in cmdline):
+        if any(CHILD_MARK in part for part in cmdline) and not _another_runs(proc):
             found.append(proc)
     return found
+
+
+def _another_runs(proc: psutil.Process) -> bool:
+    """Whether proc descends from another pytest process than this one. An orphan (its
+    ancestry reaches pid 1 through no pytest) counts as this run's: it may have escaped."""
+    me = os.getpid()
+    try:
+        for parent in proc.parents():
+            if parent.pid == me:
+                return False
+            if any("pytest" in part for part in parent.cmdline()):
+                return True
+    except psutil.Error:
+        return False  # (gone meanwhile: count what is still seen)
+    return False
 
 
 def _descendants(pool: toolpool.Pool) -> list[psutil.Process]:
