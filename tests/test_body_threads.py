@@ -1,8 +1,8 @@
 """In-process, sync tool bodies run in a thread, never on the event loop, and are never
 abandoned (C2.5). (A worker process runs them on its main thread: test_main_thread.py.)
 
-On asyncio the registry uses its own persistent body threads (``worker/_threads.py``); on trio,
-anyio's thread pool. Tests synchronise on events, never on sleeps.
+The registry uses anyio's worker threads; a native cancellation of the caller's task does not
+reach the body's wait. Tests synchronise on events, never on sleeps.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import anyio.from_thread
 import pytest
 
 from toolpool import CancelController, Outcome, Registry
-from toolpool.worker import _threads
 
 WAIT = 10.0
 _var: contextvars.ContextVar[str] = contextvars.ContextVar("_var", default="unset")
@@ -84,27 +83,28 @@ async def test_sync_bodies_that_wait_for_each_other_run_at_once() -> None:
 
 
 async def _natively_cancelled_waiter() -> None:
-    """Only a native Task.cancel() can reach the wait (the registry shields it): the body is
-    still waited for, and the cancellation is raised once it settled."""
+    """A native cancellation of the caller's task (the registry shields the body from anyio's):
+    the body is still waited for, and the caller's task ends only once it returned."""
+    registry = Registry()
     release = threading.Event()
     entered = asyncio.Event()
     loop = asyncio.get_running_loop()
     settled: list[str] = []
 
+    @registry.tool
     def body() -> str:
         loop.call_soon_threadsafe(entered.set)
         assert release.wait(WAIT)
         settled.append("body")
         return "done"
 
-    async def waiter() -> None:
-        await _threads.run_body_in_thread(body)
-
-    task = asyncio.ensure_future(waiter())
+    task = asyncio.ensure_future(registry.execute("body", {}, signal=CancelController().signal))
     await asyncio.wait_for(entered.wait(), WAIT)
     task.cancel()
-    await asyncio.sleep(0)  # one loop turn: the waiter got the cancellation first
+    for _ in range(3):  # loop turns: the waiter got the cancellation and held it
+        await asyncio.sleep(0)
     assert not task.done()
+    assert settled == []
     release.set()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, WAIT)

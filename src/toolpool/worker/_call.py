@@ -6,6 +6,7 @@ bound, a plain body invoked, failures classified (C2.4, C3), results made. Split
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import math
@@ -15,6 +16,7 @@ from types import MappingProxyType
 from typing import Any, Final, final
 
 import anyio
+import anyio.to_thread
 import msgpack
 
 from ..core import (
@@ -345,12 +347,22 @@ def _call_sync_body(
     sync_caller: Callable[[Callable[..., Any], dict[str, Any]], Any] | None,
 ) -> Any:
     """A sync body invoked in this thread (through ``sync_caller``, if given). Its
-    StopIteration becomes what a coroutine turns it into (PEP 479), as on the path where a
-    body thread's exception is raised again in one: the same on every path."""
+    StopIteration becomes what a coroutine turns it into (PEP 479): the same on every path,
+    in a thread of :func:`_run_body_in_thread` too."""
     try:
         return fn(**kwargs) if sync_caller is None else sync_caller(fn, kwargs)
     except StopIteration as raised:
         raise RuntimeError("coroutine raised StopIteration") from raised
+
+
+async def _run_body_in_thread(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """A sync body of a registry used in-process (outside a pool's worker, which runs it on
+    its main thread): in one of anyio's worker threads, never on the event loop (C2.5), and
+    never abandoned. No cancellation reaches this wait: the registry shields its pipeline
+    from anyio's, and :meth:`Registry.execute` runs the pipeline in a task of its own, which
+    a native cancellation of the caller's task (``asyncio.timeout``) does not reach."""
+    body = functools.partial(_call_sync_body, fn, kwargs, None)
+    return await anyio.to_thread.run_sync(body, abandon_on_cancel=False)
 
 
 def _classify_failure(

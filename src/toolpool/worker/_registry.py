@@ -58,12 +58,12 @@ from ._call import (
     _prepare,
     _reason,
     _Run,
+    _run_body_in_thread,
     _stage,
 )
 from ._call import (
     DecodedArgs as DecodedArgs,
 )
-from ._threads import run_body_in_thread
 
 __all__ = (
     "AroundDispatch",
@@ -515,7 +515,7 @@ class Registry:
                 elif sync_caller is not None:
                     value = _call_sync_body(spec.fn, call_kwargs, sync_caller)
                 else:
-                    value = await run_body_in_thread(functools.partial(spec.fn, **call_kwargs))
+                    value = await _run_body_in_thread(spec.fn, call_kwargs)
             except BaseException as exc:
                 state.body_cancelled = body_signal.cancelled
                 state.body_exc = exc
