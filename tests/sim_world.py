@@ -55,6 +55,7 @@ from toolpool.protocol import (
 )
 from toolpool.protocol import Result as ResultMessage
 from toolpool.supervisor._core import PoolCore
+from toolpool.supervisor._lifecycle import REAPER_START_ATTEMPTS
 from toolpool.supervisor._records import (
     Autoscale,
     CallRecord,
@@ -173,6 +174,7 @@ class World:
         self.workers: dict[int, FakeWorker] = {}
         self.reports: collections.deque[tuple[Any, ...]] = collections.deque()
         self.reaper_up = True
+        self.reaper_failures = 0  # new reapers that failed to start, in a row
         self.calls: list[CallRecord] = []  # every call submitted, in order
         self.groups: list[GroupRecord] = [GroupRecord() for _ in range(3)]
         self.group_cancelled_at: dict[int, float] = {}
@@ -281,7 +283,9 @@ class World:
             w.alive = w.tree = False
             self.reports.append(("orphan_gone", action.wid, self.rng.random() < 0.8))
         elif isinstance(action, RestartReaper):
-            self.reports.append(("reaper_ready",))
+            # Sometimes the new reaper dies while it starts (killed by the same hand).
+            failed = self.rng.random() < 0.2
+            self.reports.append(("reaper_failed",) if failed else ("reaper_ready",))
         elif isinstance(action, Settled):
             self.on_settled(action.call)
         elif isinstance(action, Progressed):
@@ -394,7 +398,9 @@ class World:
                 self.reaper_up = False
                 # Its unsent reports die with it; its workers die (PDEATHSIG), their trees
                 # may not.
-                self.reports = collections.deque(r for r in self.reports if r[0] == "reaper_ready")
+                self.reports = collections.deque(
+                    r for r in self.reports if r[0] in ("reaper_ready", "reaper_failed")
+                )
                 for w in self.workers.values():
                     if w.alive:
                         w.alive = False
@@ -467,7 +473,21 @@ class World:
         core, kind = self.core, report[0]
         if kind == "reaper_ready":
             self.reaper_up = True
+            self.reaper_failures = 0
             core.reaper_ready(self.now)
+            return
+        if kind == "reaper_failed":
+            self.reaper_failures += 1
+            was_broken = core.broken is not None
+            core.reaper_failed("killed while it started", self.now)
+            if not was_broken and not core.closing:
+                # Broken only once every attempt in a row failed; until then, another starts.
+                broke = core.broken is not None
+                if broke != (self.reaper_failures >= REAPER_START_ATTEMPTS):
+                    raise Violation(
+                        f"reaper start failure {self.reaper_failures} of "
+                        f"{REAPER_START_ATTEMPTS} {'broke' if broke else 'did not break'} the pool"
+                    )
             return
         w = self.workers[report[1]]
         if kind in ("exited", "gone", "orphan_gone"):

@@ -193,3 +193,69 @@ async def test_the_reaper_killed_while_idle_and_while_closing() -> None:
         await pool.aclose()  # (in the nesting that started it: see Pool.aclose)
     assert not any(_alive(p) for p in pids)
     assert workers_of_reaper(first) == []
+
+
+def _reaper_killed_as_it_starts(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, kills: int) -> Any:
+    """From now on the pool's next `kills` reapers are SIGKILLed as they start, before they
+    say they are ready (a real process, a real signal); later ones start as ever. Returns the
+    file that counts the starts."""
+    from toolpool.reaper import _client
+
+    starts = tmp_path / "starts"
+    starts.write_text("")
+    script = tmp_path / "reaper_that_dies.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        f"with open({str(starts)!r}, 'a') as f:\n"
+        "    f.write('x')\n"
+        f"if os.path.getsize({str(starts)!r}) <= {kills}:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"real = {str(_client.SCRIPT)!r}\n"
+        "os.execv(sys.executable, [sys.executable, '-P', real, *sys.argv[1:]])\n"
+    )
+    monkeypatch.setattr(_client, "SCRIPT", script)
+    return starts
+
+
+async def test_a_new_reaper_killed_as_it_starts_is_started_again(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hand that killed the reaper kills its replacement too, twice: the pool starts a
+    third, and serves."""
+    async with toolpool.Pool(TOOLS, workers=1) as pool:
+        first = pool.reaper_pid
+        assert first is not None
+        starts = _reaper_killed_as_it_starts(tmp_path, monkeypatch, kills=2)
+        os.kill(first, signal.SIGKILL)
+        with anyio.fail_after(40):
+            while pool.reaper_pid in (None, first) or not pool.worker_pids:
+                await pool._wait_changed()
+            result = await pool.call("pid")
+        assert result.ok, result
+        assert starts.read_text() == "xxx"  # two killed as they started, the third serves
+        assert _alive(pool.reaper_pid)
+    assert workers_of_reaper(first) == []
+
+
+async def test_a_reaper_that_never_starts_again_breaks_the_pool_clearly(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every replacement dies as it starts: after three attempts the pool is broken, and says
+    why; closing it still removes everything it made."""
+    from toolpool.supervisor._lifecycle import REAPER_START_ATTEMPTS
+
+    pool = toolpool.Pool(TOOLS, workers=1)
+    async with pool:
+        first = pool.reaper_pid
+        assert first is not None
+        pool_dir = pool._dir
+        starts = _reaper_killed_as_it_starts(tmp_path, monkeypatch, kills=1_000)
+        os.kill(first, signal.SIGKILL)
+        with anyio.fail_after(40):
+            while pool._core.broken is None:
+                await pool._wait_changed()
+        with pytest.raises(toolpool.WorkerStartError, match="a new one did not start"):
+            pool.submit("pid")
+        assert len(starts.read_text()) == REAPER_START_ATTEMPTS
+    assert _pool_leftovers(pool_dir, []) == []
+    assert workers_of_reaper(first) == []

@@ -58,6 +58,10 @@ EXIT_TOOLS_FAILED: Final = 71
 #: traceback) to arrive after the reaper's report of its exit (seconds).
 _FATAL_TRAILS_BY = 2.0
 REAPER_DIED: Final = "the pool's reaper process died"
+#: A new reaper that fails to start is started again, up to this many attempts in a row,
+#: before the pool is broken: whatever killed the last one may kill the next while it starts
+#: (an operator's wrong pid, a tool of the same uid), which says nothing of the machine.
+REAPER_START_ATTEMPTS: Final = 3
 #: A worker that sent no heartbeat for this many heartbeat intervals is hung.
 HUNG_AFTER_BEATS: Final = 3
 #: What a worker may send unasked (heartbeats, progress): at most this many in a burst, and
@@ -613,6 +617,7 @@ class Lifecycle(Escalation):
     def _reaper_ready(self) -> None:
         self.restarting = False
         self.reaper_up = True
+        self.reaper_failures = 0
         if self.closing or self.broken is not None:
             return
         _log.info("a new reaper serves the pool")
@@ -622,6 +627,20 @@ class Lifecycle(Escalation):
     def _reaper_failed(self, error: str) -> None:
         self.restarting = False
         self.reaper_up = False
+        self.reaper_failures += 1
+        if (
+            not self.closing
+            and self.broken is None
+            and self.reaper_failures < REAPER_START_ATTEMPTS
+        ):
+            _log.warning(
+                "a new reaper did not start (%s); starting another (attempt %d of %d)",
+                error,
+                self.reaper_failures + 1,
+                REAPER_START_ATTEMPTS,
+            )
+            self._restart_reaper_when_clear()
+            return
         if self.broken is None:
             self.broken = WorkerStartError(
                 f"the pool's reaper process went away and a new one did not start: {error}"

@@ -210,6 +210,7 @@ class CoreState:
         self.broken: WorkerStartError | None = None
         self.reaper_up = True  # False from the reaper's death until a new one is ready
         self.restarting = False  # a new reaper is being started
+        self.reaper_failures = 0  # new reapers that failed to start, in a row
         self.workers: dict[int, WorkerRecord] = {}
         self.calls: dict[int, CallRecord] = {}
         # Providers by name (the current generation: starting or active), and the older
