@@ -339,3 +339,37 @@ def test_ctrl_c_stops_the_demo_with_a_short_message() -> None:
         "toolpool: stopped: every call settled and every process of the pool is gone"
     )
     assert "Traceback" not in err
+
+
+def _reapers_of(supervisor_pid: int) -> list[int]:
+    """The reaper processes a supervisor started (``python -P .../reaper/_main.py PID FD``:
+    its workers die with it)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        script = cmdline[2] if len(cmdline) >= 4 else ""
+        if script.endswith("_main.py") and "reaper" in script and cmdline[3] == str(supervisor_pid):
+            found.append(proc.pid)
+    return found
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "args", [("tools", EXAMPLES), ("call", EXAMPLES, "echo", '{"value": [1, 2]}')]
+)
+def test_a_reader_gone_away_ends_the_command_quietly(args: tuple[str, ...]) -> None:
+    """`toolpool call ... | head`: status 141 (128 + SIGPIPE), no traceback, and the pool
+    closed: no reaper of the command's is left (its workers die with it)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolpool", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()  # the reader is gone before anything was written
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141, err
+    assert err == ""
+    assert _reapers_of(proc.pid) == []

@@ -18,6 +18,9 @@ import anyio
 from ._interrupts import EXIT_INTERRUPTED, Interrupts, say
 from .core import ToolpoolError, WorkerStartError
 
+#: The reader of stdout went away: 128 + SIGPIPE, as a shell reports a tool that SIGPIPE ended.
+EXIT_BROKEN_PIPE = 141
+
 if TYPE_CHECKING:
     from .supervisor import Result
 
@@ -396,22 +399,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     _put_cwd_on_path()
     try:
-        if ns.command == "demo":
-            return _demo()
-        if ns.command == "tools":
-            return _tools(ns)
-        if ns.command == "call":
-            return anyio.run(_call, ns)
-        if ns.command == "doctor":
-            return anyio.run(_doctor, ns)
-        if ns.command == "selftest":
-            return anyio.run(_selftest, ns)
-        if ns.command == "batch":
-            return _batch(ns)
+        status = _run(ns)
+        sys.stdout.flush()  # (a reader gone away shows here, not as a traceback at exit)
+        return status
+    except BrokenPipeError:
+        # `toolpool call ... | head`: the reader went away. Stop as a Unix tool does, with no
+        # traceback, once the pool is closed (the exception came through its `async with`);
+        # what stays in stdout's buffer goes nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except (ToolpoolError, ValueError, TypeError, ImportError) as exc:
         print(_message(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         say("interrupted")
         return EXIT_INTERRUPTED
+
+
+def _run(ns: argparse.Namespace) -> int:
+    if ns.command == "demo":
+        return _demo()
+    if ns.command == "tools":
+        return _tools(ns)
+    if ns.command == "call":
+        return anyio.run(_call, ns)
+    if ns.command == "doctor":
+        return anyio.run(_doctor, ns)
+    if ns.command == "selftest":
+        return anyio.run(_selftest, ns)
+    if ns.command == "batch":
+        return _batch(ns)
     raise AssertionError(f"unhandled command {ns.command!r}")  # pragma: no cover
