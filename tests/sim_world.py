@@ -145,6 +145,9 @@ class FakeWorker:
     # (then the worst one it got does).
     frozen: bool = False
     pending_signal: int | None = None
+    # Its reaper died: the shell ends its tree, waiting (frozen) until it is thawed.
+    orphaned: bool = False
+    orphan_waits: bool = False  # the shell waits for its frozen tree to end
     hung: bool = False  # no thread of it runs: it reads nothing, does nothing, sends nothing
     beat_due: float = 0.0
 
@@ -279,9 +282,16 @@ class World:
             self.reports.append(("cleaned", action.wid, 1))
         elif isinstance(action, Orphaned):
             w = self.workers[action.wid]
-            # The shell kills the tree through its cgroup and waits until it is empty.
-            w.alive = w.tree = False
-            self.reports.append(("orphan_gone", action.wid, self.rng.random() < 0.8))
+            if w.orphaned:
+                raise Violation(f"worker {w.wid} orphaned twice")
+            w.orphaned = True
+            if w.frozen:
+                # Uninterruptible sleep: the shell's SIGKILL waits, and so does the shell.
+                w.pending_signal = -9
+                w.orphan_waits = True
+            else:
+                # The shell kills the tree through its cgroup and waits until it is empty.
+                self.orphan_gone(w)
         elif isinstance(action, RestartReaper):
             # Sometimes the new reaper dies while it starts (killed by the same hand).
             failed = self.rng.random() < 0.2
@@ -297,6 +307,12 @@ class World:
         elif isinstance(action, Close):
             pass
 
+    def orphan_gone(self, w: FakeWorker) -> None:
+        """The shell saw an orphaned tree end (verified through its cgroup, mostly)."""
+        w.alive = w.tree = False
+        w.orphan_waits = False
+        self.reports.append(("orphan_gone", w.wid, self.rng.random() < 0.8))
+
     def die(self, w: FakeWorker, status: int) -> None:
         """w's process ends (its tree may linger); the reaper reports it."""
         if not w.alive:
@@ -308,7 +324,9 @@ class World:
         w.alive = False
         w.exit_status = status
         w.tree = w.lingers
-        if self.reaper_up:
+        if w.orphan_waits:
+            self.orphan_gone(w)
+        elif self.reaper_up and not w.orphaned:  # (an orphan is no child of a new reaper)
             self.reports.append(("exited", w.wid, status))
             if not w.tree:
                 self.reports.append(("gone", w.wid))
@@ -362,8 +380,8 @@ class World:
         elif kind == "crash" and live:
             self.die(live[step[1] % len(live)], -9)
         elif kind == "freeze" and live and self.reaper_up:
-            # Uninterruptible sleep (a hung mount): not while the reaper is down, whose
-            # orphaned trees the shell ends itself (bounded there, not modelled).
+            # Uninterruptible sleep (a hung mount). (A reaper that dies later leaves it an
+            # orphan that the shell waits for.)
             w = live[step[1] % len(live)]
             if w.alive and not w.frozen:
                 w.frozen = True
@@ -394,15 +412,20 @@ class World:
                 w.hung = not w.hung
                 w.beat_due = self.now
         elif kind == "reaper_lost":
-            if self.reaper_up and not any(w.frozen for w in self.workers.values()):
+            if self.reaper_up:
                 self.reaper_up = False
                 # Its unsent reports die with it; its workers die (PDEATHSIG), their trees
                 # may not.
                 self.reports = collections.deque(
-                    r for r in self.reports if r[0] in ("reaper_ready", "reaper_failed")
+                    # (the shell's own stay: a new reaper's start, an orphan's end)
+                    r
+                    for r in self.reports
+                    if r[0] in ("reaper_ready", "reaper_failed", "orphan_gone")
                 )
                 for w in self.workers.values():
-                    if w.alive:
+                    if w.alive and w.frozen:
+                        w.pending_signal = -9  # PDEATHSIG, delivered once it is thawed
+                    elif w.alive:
                         w.alive = False
                         w.exit_status = -9
                         w.tree = True
@@ -504,6 +527,8 @@ class World:
             self.probe.kept_of[w.wid] = list(w.kept)
             core.gone(w.wid, self.now)
         elif kind == "orphan_gone":
+            if w.tree or w.alive:
+                raise Violation(f"the shell reported orphan {w.wid} gone while alive")
             self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
             self.probe.kept_of[w.wid] = list(w.kept)
             core.gone(w.wid, self.now, verified=report[2])
@@ -723,7 +748,7 @@ class World:
             # Unkillable, in time: a tree still there unkillable_after past its SIGKILL.
             w = self.workers[cw.wid]
             overdue = cw.killed_at is not None and self.now >= cw.killed_at + UNKILLABLE_AFTER
-            stuck = overdue and not cw.gone and not cw.orphaned and w.frozen
+            stuck = overdue and not cw.gone and w.frozen
             if stuck and cw.state is not WorkerState.UNKILLABLE:
                 raise Violation(f"worker {cw.wid} frozen past its SIGKILL, not unkillable")
             if cw.state is WorkerState.UNKILLABLE and cw in core.ready:

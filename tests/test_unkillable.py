@@ -239,3 +239,43 @@ async def test_a_daemon_that_does_not_die_keeps_its_call_unsettled(freezer: Free
             psutil.Process(daemon).status() == psutil.STATUS_ZOMBIE
         )
         assert pool.statistics().unkillable == ()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("with_cgroup", [True, False], ids=["cgroup", "no-cgroup"])
+async def test_the_reaper_dies_while_a_worker_does_not_die(
+    freezer: Freezer, with_cgroup: bool
+) -> None:
+    """The reaper dies while a worker is in uninterruptible sleep. The shell ends the
+    orphan's tree itself and waits for it, however long: its call does not settle while the
+    tree is known alive (C4.3), with or without a cgroup to see it through. The worker is
+    unkillable meanwhile, and a new reaper serves the pool; once the tree is thawed (and so
+    dies), the call settles."""
+    profile = toolpool.Profile.default()
+    if not with_cgroup:
+        profile = profile.with_limits(disable=frozenset({"cgroups"}))
+    async with (
+        running_pool(workers=1, unkillable_after=UNKILLABLE_AFTER, profile=profile) as pool,
+        Readiness.open() as ready,
+    ):
+        call, [pid] = await started_call(pool, ready)
+        freezer.freeze(pid)
+        first = pool.reaper_pid
+        assert first is not None
+        os.kill(first, 9)
+        await wait_for(pool, "unkillable", lambda: unkillable_workers(pool) == 1)
+        assert pool.statistics().unkillable == (pid,)
+        await wait_for(pool, "a new reaper", lambda: pool.reaper_pid not in (None, first))
+        result = await pool.call("pid")
+        assert result.ok, result
+        assert result.value != pid
+        assert not call.done()  # its tree lives: not settled
+        assert psutil.Process(pid).status() == psutil.STATUS_DISK_SLEEP
+        freezer.thaw()
+        with anyio.fail_after(60):
+            lost = await call
+        assert lost.outcome is toolpool.Outcome.WORKER_LOST, lost
+        assert lost.tree_verified is with_cgroup
+        with anyio.fail_after(30):
+            await wait_pid_gone(pid)
+        assert unkillable_workers(pool) == 0

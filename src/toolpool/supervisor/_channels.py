@@ -325,25 +325,34 @@ class Channels:
     async def _end_orphan(self, wid: int) -> None:
         """The reaper died: end worker ``wid``'s tree without it and report it gone. With a
         cgroup the tree is killed through it and verified empty; without one, only the
-        worker's own death can be seen (the result says its tree was not verified)."""
+        worker's process group can be seen (the result says its tree was not verified). A
+        process of it known alive (uninterruptible sleep) is waited for, however long: no
+        call settles while it lives (C4.3); the core marks the worker unkillable meanwhile."""
         io = self._io.get(wid)
         w = self._core.workers.get(wid)
-        verified = False
-        if w is not None and w.pid is not None:
-            # It leads its own process group: what did not leave the group goes now, with or
-            # without a cgroup (and whatever left it, only a cgroup can find).
-            try:
-                os.killpg(w.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        if io is not None and io.groups:
-            verified = await anyio.to_thread.run_sync(empty_cgroups, io.kill_dir, io.groups)
-        if w is not None and w.pid is not None:
-            with anyio.move_on_after(KILL_WAIT):
-                await wait_pid_gone(w.pid)
-            # SIGKILL is delivered, not awaited: a member of its group may still run (under
-            # load, for a while) after the signal. Gone means gone: wait for each.
-            await end_group(w.pid, KILL_WAIT)
+        while True:
+            verified = False
+            if w is not None and w.pid is not None:
+                # It leads its own process group: what did not leave the group goes now,
+                # with or without a cgroup (and whatever left it, only a cgroup can find).
+                try:
+                    os.killpg(w.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            if io is not None and io.groups:
+                # (Up to KILL_WAIT in its thread: a close does not wait for it.)
+                verified = await anyio.to_thread.run_sync(
+                    empty_cgroups, io.kill_dir, io.groups, abandon_on_cancel=True
+                )
+            group_empty = True
+            if w is not None and w.pid is not None:
+                with anyio.move_on_after(KILL_WAIT):
+                    await wait_pid_gone(w.pid)
+                # SIGKILL is delivered, not awaited: a member of its group may still run
+                # (under load, for a while) after the signal. Gone means gone: wait for each.
+                group_empty = await end_group(w.pid, KILL_WAIT)
+            if group_empty and (verified or io is None or not io.groups):
+                break
         if io is not None:
             if verified:
                 for path in reversed(io.cleanup):

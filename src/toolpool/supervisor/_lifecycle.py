@@ -490,10 +490,10 @@ class Lifecycle(Escalation):
         reported, replaced now. Its calls are not settled (C4.3: never while its tree is
         known alive), nor the calls behind its first run elsewhere (a reaper that could not
         deliver the SIGKILL would leave w running them): both wait for its tree's end, which
-        the reaper goes on waiting for."""
+        the reaper goes on waiting for (or, its reaper dead, the shell: ``Orphaned``)."""
         w = self.workers.get(wid)
-        if w is None or w.gone or w.orphaned or w.state is WorkerState.UNKILLABLE:
-            return  # (orphaned: the shell ends the tree itself, bounded there)
+        if w is None or w.gone or w.state is WorkerState.UNKILLABLE:
+            return
         was_serving = w.state in (WorkerState.READY, WorkerState.BUSY, WorkerState.QUARANTINED)
         was_serving = was_serving and w.answered and not w.start_failed
         if w in w.provider.ready:
@@ -524,6 +524,8 @@ class Lifecycle(Escalation):
         if not w.awaiting_fatal:
             w.replaced = True
             self._maybe_replace(w, counts=was_serving)
+        if not self.reaper_up:  # an orphan: the new reaper need not wait for its tree
+            self._restart_reaper_when_clear()
 
     def _log_gone(self, w: WorkerRecord, *, retired: bool, held: bool) -> None:
         why = (
@@ -594,7 +596,7 @@ class Lifecycle(Escalation):
             "" if self.closing or self.broken else ", then starting a new one",
         )
         for w in list(self.workers.values()):
-            if w.gone:
+            if w.gone or w.orphaned:  # (orphaned: an earlier reaper's, being ended already)
                 continue
             w.orphaned = True
             w.lost_reason = REAPER_DIED
@@ -603,14 +605,21 @@ class Lifecycle(Escalation):
             if w.state not in (WorkerState.RETIRING, WorkerState.UNKILLABLE):
                 w.state = WorkerState.QUARANTINED  # no call is sent to it any more
             self._act(Orphaned(w.wid))
+            if w.killed_at is None:
+                # The shell SIGKILLs its tree now: one that outlives that by unkillable_after
+                # is unkillable, as when the reaper kills (its calls stay unsettled).
+                w.killed_at = self.now
+                self._arm(self.now + self.config.unkillable_after, "unkillable", w.wid)
         self._act(Changed())
         self._restart_reaper_when_clear()
 
     def _restart_reaper_when_clear(self) -> None:
         if self.reaper_up or self.restarting or self.closing or self.broken is not None:
             return
-        if any(not w.gone for w in self.workers.values()):
-            return  # the calls in flight settle truthfully first
+        if any(not w.gone and w.state is not WorkerState.UNKILLABLE for w in self.workers.values()):
+            # The calls in flight settle truthfully first. (An unkillable tree may never end:
+            # its calls wait for it, the pool does not.)
+            return
         self.restarting = True
         self._act(RestartReaper())
 
