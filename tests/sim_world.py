@@ -527,8 +527,6 @@ class World:
             self.probe.kept_of[w.wid] = list(w.kept)
             core.gone(w.wid, self.now)
         elif kind == "orphan_gone":
-            if w.tree or w.alive:
-                raise Violation(f"the shell reported orphan {w.wid} gone while alive")
             self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
             self.probe.kept_of[w.wid] = list(w.kept)
             core.gone(w.wid, self.now, verified=report[2])
@@ -753,6 +751,15 @@ class World:
                 raise Violation(f"worker {cw.wid} frozen past its SIGKILL, not unkillable")
             if cw.state is WorkerState.UNKILLABLE and cw in core.ready:
                 raise Violation(f"unkillable worker {cw.wid} is ready for calls")
+        # Nothing but a tree in flight may hold a new reaper up (an unkillable one, which may
+        # never end, does not).
+        waiting = not core.reaper_up and not core.restarting and not core.closing
+        if (
+            waiting
+            and not core.broken
+            and all(cw.gone or cw.state is WorkerState.UNKILLABLE for cw in core.workers.values())
+        ):
+            raise Violation("the reaper is down, and no new one is being started")
 
     # ---- the end
 

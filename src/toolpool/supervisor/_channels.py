@@ -54,6 +54,8 @@ from ._records import (
 from ._results import ContainmentReport, WorkerState
 from ._workerio import (
     KILL_WAIT,
+    ORPHAN_LOOK_EVERY,
+    ORPHAN_LOOK_FOR,
     WorkerIO,
     empty_cgroups,
     end_group,
@@ -330,29 +332,40 @@ class Channels:
         call settles while it lives (C4.3); the core marks the worker unkillable meanwhile."""
         io = self._io.get(wid)
         w = self._core.workers.get(wid)
-        while True:
-            verified = False
-            if w is not None and w.pid is not None:
-                # It leads its own process group: what did not leave the group goes now,
-                # with or without a cgroup (and whatever left it, only a cgroup can find).
-                try:
-                    os.killpg(w.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            if io is not None and io.groups:
-                # (Up to KILL_WAIT in its thread: a close does not wait for it.)
+        pgid = w.pid if w is not None else None
+        groups = io.groups if io is not None else []
+        kill_dir = io.kill_dir if io is not None else None
+        verified = False
+        if pgid is not None:
+            # It leads its own process group: what did not leave the group goes now, with or
+            # without a cgroup (and whatever left it, only a cgroup can find).
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except OSError:
+                pass
+        if groups:
+            # (Up to KILL_WAIT in its thread: a close does not wait for it.)
+            verified = await anyio.to_thread.run_sync(
+                empty_cgroups, kill_dir, groups, abandon_on_cancel=True
+            )
+        group_empty = True
+        if pgid is not None:
+            with anyio.move_on_after(KILL_WAIT):
+                await wait_pid_gone(pgid)
+            # SIGKILL is delivered, not awaited: a member of its group may still run (under
+            # load, for a while) after the signal. Gone means gone: wait for each.
+            group_empty = await end_group(pgid, KILL_WAIT)
+        # Known alive still: look again every ORPHAN_LOOK_EVERY, however long it takes. The
+        # cgroup says it all where there is one; else the group, whose id no new process can
+        # take while a member of it lives (the worker's pid itself may be reused by now).
+        while not (verified if groups else group_empty):
+            await anyio.sleep(ORPHAN_LOOK_EVERY)
+            if groups:
                 verified = await anyio.to_thread.run_sync(
-                    empty_cgroups, io.kill_dir, io.groups, abandon_on_cancel=True
+                    empty_cgroups, kill_dir, groups, ORPHAN_LOOK_FOR, abandon_on_cancel=True
                 )
-            group_empty = True
-            if w is not None and w.pid is not None:
-                with anyio.move_on_after(KILL_WAIT):
-                    await wait_pid_gone(w.pid)
-                # SIGKILL is delivered, not awaited: a member of its group may still run
-                # (under load, for a while) after the signal. Gone means gone: wait for each.
-                group_empty = await end_group(w.pid, KILL_WAIT)
-            if group_empty and (verified or io is None or not io.groups):
-                break
+            elif pgid is not None:
+                group_empty = await end_group(pgid, ORPHAN_LOOK_FOR)
         if io is not None:
             if verified:
                 for path in reversed(io.cleanup):

@@ -36,6 +36,13 @@ __all__ = (
 
 #: How long to wait for a worker's tree to go after SIGKILL before giving up on it (seconds).
 KILL_WAIT: Final = 30.0
+#: How often (seconds) a process group is scanned again when none of its members could be
+#: waited on (no pidfd, another uid's process).
+GROUP_POLL: Final = 0.01
+#: How often (seconds) the tree of an orphaned worker that outlived its SIGKILL is looked at
+#: again (its reaper is dead: nothing announces its end), and for how long each time.
+ORPHAN_LOOK_EVERY: Final = 1.0
+ORPHAN_LOOK_FOR: Final = 0.2
 #: How long to spend removing a dead reaper's worker's directory (seconds; the rest later).
 ORPHAN_CLEANUP_BUDGET: Final = 2.0
 
@@ -274,24 +281,26 @@ def peer_pid(frame: zmq.Frame) -> int | None:
     return int(tail) if tail.isdigit() and address.count(":") == 3 else None
 
 
-def empty_cgroups(kill_dir: str | None, groups: list[str]) -> bool:
+def empty_cgroups(kill_dir: str | None, groups: list[str], wait: float = KILL_WAIT) -> bool:
     """Kill every process in a worker's cgroups (v2: ``cgroup.kill``; v1: each member) until
-    none is left; True once they are verified empty (blocking: run it in a thread)."""
-    deadline = time.monotonic() + KILL_WAIT
-    while time.monotonic() < deadline:
+    none is left, for ``wait`` seconds at most; True once they are verified empty (blocking:
+    run it in a thread)."""
+    deadline = time.monotonic() + wait
+    while True:
         if kill_dir is not None:
             cgroups.cgroup_kill(kill_dir)
-            cgroups.wait_empty(kill_dir, 0.2)
+            cgroups.wait_empty(kill_dir, min(0.2, wait))
         members = cgroups.members(groups)
         if not members and (kill_dir is None or not cgroups.populated(kill_dir)):
             return True
+        if time.monotonic() >= deadline:
+            return False
         for pid in members:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
         time.sleep(0.002)  # a killed process leaves its cgroup once it has exited
-    return False
 
 
 def remove_dir(path: str, *, cgroup: bool) -> None:
@@ -333,19 +342,23 @@ async def end_group(pgid: int, timeout: float) -> bool:
             members = await anyio.to_thread.run_sync(_group_members, pgid)
             if not members:
                 return True
+            waited = False
             for pid in members:
                 try:
                     fd = os.pidfd_open(pid)
                 except OSError:
-                    continue  # gone meanwhile
+                    continue  # gone meanwhile (or no pidfds here, or none left to open)
                 try:
                     if _live_group(pid) == pgid:  # (still the process the scan saw)
                         signal.pidfd_send_signal(fd, signal.SIGKILL)
                         await anyio.wait_readable(fd)  # readable once it has exited
+                        waited = True
                 except OSError:
-                    pass
+                    pass  # (not ours to signal: another uid's)
                 finally:
                     os.close(fd)
+            if not waited:  # nothing to wait on: scan again soon, not at once
+                await anyio.sleep(GROUP_POLL)
     return False
 
 
