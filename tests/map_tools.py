@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from toolpool import Registry, ToolExecution
@@ -101,3 +101,8 @@ class Pulled:
 
 def oks(n: int) -> list[dict[str, Any]]:
     return [{"kind": "ok", "i": i} for i in range(n)]
+
+
+def cancelled(settled: Mapping[str, int]) -> int:
+    """How many calls of a pool's ``statistics().settled`` ended by a cancel (run or not)."""
+    return settled.get("aborted", 0) + settled.get("aborted_before_dispatch", 0)

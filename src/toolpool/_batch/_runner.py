@@ -20,6 +20,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
+from .._interrupts import EXIT_INTERRUPTED
 from ..core import Outcome, ToolpoolError, UnknownToolError
 from ..sandbox import Profile
 from ..supervisor import Call, Group, Pool
@@ -40,8 +41,6 @@ READ_AT_ONCE: Final = 1024
 MAX_WINDOW: Final = 1024
 #: Seconds between two measurements of the rate.
 RATE_EVERY: Final = 0.2
-#: Exit status after Ctrl-C or SIGTERM (128 + SIGINT, as a shell reports it).
-EXIT_INTERRUPTED: Final = 130
 #: Outcomes a retry is for (issue 18: "retry policy by body_started").
 RETRIED: Final = frozenset({Outcome.WORKER_LOST, Outcome.KILLED})
 #: Outcomes of a call the interrupt stopped before its body started: not recorded, so that a

@@ -84,10 +84,6 @@ class PoolCore(Providers):
     def all_gone(self) -> bool:
         return not self.workers
 
-    def all_gone_or_unkillable(self) -> bool:
-        """Every worker is gone, or unkillable (the close waits no longer for those)."""
-        return all(w.state is WorkerState.UNKILLABLE for w in self.workers.values())
-
     def idle_or_stuck(self) -> bool:
         """Every call has settled, or is held by an unkillable worker (whose calls settle
         only once its tree is gone: the close waits no longer for those)."""

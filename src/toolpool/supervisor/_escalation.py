@@ -271,9 +271,14 @@ class Escalation(Dispatch):
                 self._signalled(w, None, Rung.SIGKILL)
 
     def _kill_tree(self, w: WorkerRecord) -> None:
-        """Ask the reaper to SIGKILL w's tree; the first time, start the clock after which a
-        tree still there is unkillable (``_kill_overdue``)."""
+        """Ask the reaper to SIGKILL w's tree (``_start_kill_clock``)."""
         self._act(Kill(w.wid))
+        self._start_kill_clock(w)
+
+    def _start_kill_clock(self, w: WorkerRecord) -> None:
+        """w's tree is being SIGKILLed (by the reaper, or by the shell when the reaper is
+        dead): the first time, start the clock after which a tree still there is unkillable
+        (``_kill_overdue``)."""
         if w.killed_at is None:
             w.killed_at = self.now
             self._arm(self.now + self.config.unkillable_after, "unkillable", w.wid)

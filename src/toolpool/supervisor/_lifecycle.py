@@ -605,18 +605,19 @@ class Lifecycle(Escalation):
             if w.state not in (WorkerState.RETIRING, WorkerState.UNKILLABLE):
                 w.state = WorkerState.QUARANTINED  # no call is sent to it any more
             self._act(Orphaned(w.wid))
-            if w.killed_at is None:
-                # The shell SIGKILLs its tree now: one that outlives that by unkillable_after
-                # is unkillable, as when the reaper kills (its calls stay unsettled).
-                w.killed_at = self.now
-                self._arm(self.now + self.config.unkillable_after, "unkillable", w.wid)
+            self._start_kill_clock(w)  # (the shell SIGKILLs its tree now)
         self._act(Changed())
         self._restart_reaper_when_clear()
+
+    def all_gone_or_unkillable(self) -> bool:
+        """Every worker is gone, or unkillable (the close waits no longer for those, nor does
+        a new reaper's start)."""
+        return all(w.state is WorkerState.UNKILLABLE for w in self.workers.values())
 
     def _restart_reaper_when_clear(self) -> None:
         if self.reaper_up or self.restarting or self.closing or self.broken is not None:
             return
-        if any(not w.gone and w.state is not WorkerState.UNKILLABLE for w in self.workers.values()):
+        if not self.all_gone_or_unkillable():
             # The calls in flight settle truthfully first. (An unkillable tree may never end:
             # its calls wait for it, the pool does not.)
             return
