@@ -30,10 +30,10 @@ def anyio_backend() -> str:
 
 
 async def _until_hung(pool: toolpool.Pool, count: int) -> None:
-    # No event announces a silence: look at the statistics until it shows (bounded).
+    # A worker found hung (or answering again) is a change of the pool's: an event.
     with anyio.fail_after(60):
         while pool.statistics().hung < count:
-            await anyio.sleep(0.05)
+            await pool._wait_changed()
 
 
 async def test_a_worker_held_by_the_gil_is_hung_one_that_ignores_its_signal_is_not(
@@ -76,7 +76,7 @@ async def test_a_worker_held_by_the_gil_is_hung_one_that_ignores_its_signal_is_n
         assert whys == {gil.id: "hung", spin.id: "ignores_signal"}
         with anyio.fail_after(60):  # the hung one is gone (and replaced)
             while pool.statistics().hung:
-                await anyio.sleep(0.05)
+                await pool._wait_changed()
 
 
 async def test_without_heartbeats_nothing_is_hung() -> None:

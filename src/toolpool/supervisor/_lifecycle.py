@@ -231,6 +231,7 @@ class Lifecycle(Escalation):
             return
         if w.hung:
             w.hung = False
+            self._act(Changed())  # (statistics' `hung` waiters)
             _log.info(
                 "worker %s (pid %s) answers again: a heartbeat after %.1f s of none",
                 w.wid,
@@ -254,6 +255,7 @@ class Lifecycle(Escalation):
             return
         if not w.hung:
             w.hung = True
+            self._act(Changed())
             call = w.call
             _log.warning(
                 "worker %s (pid %s) is hung: no heartbeat for %.1f s (no thread of it runs: "
