@@ -101,14 +101,78 @@ def test_profile_options_map_to_the_profile() -> None:
 def test_selftest_passes_the_kit_here() -> None:
     done = toolpool("selftest", timeout=110)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "20 passed, 0 failed" in done.stdout
+    assert "21 held, 0 not held" in done.stdout
+    assert "0 not run, 0 FAILED" in done.stdout
     # The table is whole: what the pool logs while the kit provokes it comes after it, and
     # no observed value is cut off.
     assert done.stderr == ""
     table = done.stdout.partition("\nthreat ")[2].partition("\n\n")[0]
     assert "stranger connected" not in table
     assert "quarantined" not in table
-    assert "'sibling': 'blocked'}" in table
+    assert "sibling: blocked" in table
+
+
+def _rows(stdout: str) -> dict[str, str]:
+    """The selftest table's rows by threat, each row's lines joined."""
+    table = stdout.partition("\nthreat ")[2].partition("\n\n")[0].splitlines()[2:]
+    rows: dict[str, str] = {}
+    last = ""
+    for line in table:
+        if line.startswith(" "):
+            rows[last] += "\n" + line
+        else:
+            last = line[:46].strip()
+            rows[last] = line
+    return rows
+
+
+@pytest.mark.timeout(240)
+def test_selftest_never_calls_a_threat_that_went_through_a_pass() -> None:
+    """Issue 27: under `default` without cgroups, what went through says "not held" and
+    why, each status is counted apart, and the exit status is 0 (the profile claims none of
+    it). The fd row names the limit that applied; no observed cell is cut mid-word."""
+    done = toolpool("selftest", "--profile", "default", "--no-cgroups", timeout=230)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = _rows(done.stdout)
+    for threat in (
+        "fork bomb",
+        "memory hog",
+        "signals the reaper or the supervisor",
+        "signals a sibling worker",
+        "reaches the network",
+        "changes metadata outside its scratch directory",
+    ):
+        assert "  not held  -" in rows[threat], rows[threat]
+    assert "(no Landlock, no uid of" in rows["signals the reaper or the supervisor"]
+    assert "RLIMIT_NOFILE=" in rows["fd exhaustion"]
+    assert "(inherited)" in rows["fd exhaustion"]
+    assert " pass " not in done.stdout
+    assert "0 not run, 0 FAILED" in done.stdout
+    assert "6 not held (expected under this profile" in done.stdout
+    assert "map keys must be str" in done.stdout  # (whole: once cut at 120 characters)
+
+
+@pytest.mark.timeout(120)
+def test_selftest_exits_non_zero_when_a_claimed_layer_let_a_threat_through(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A row judged FAILED (here: a check that claims the network is cut, under a profile
+    that allows it) makes the run fail, and the summary names it."""
+    from toolpool._cli import main
+    from toolpool.testing import hostile
+
+    _kit = sys.modules[hostile.Threat.__module__]  # (the kit's own module: run_kit reads it)
+
+    def claims_netns(result: object, setting: object) -> object:
+        return _kit._held(getattr(result, "value", None) == "ENETUNREACH", "ENETUNREACH", "x")
+
+    threat = _kit.Threat("reaches the network", "reach_network", {}, "call", claims_netns)  # type: ignore[arg-type]
+    monkeypatch.setattr(_kit, "THREATS", (threat,))
+    status = main(["selftest", "--profile", "default", "--no-cgroups"])
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert "0 held, 0 not held (expected under this profile: see 'expected'), 0 not run" in out
+    assert "1 FAILED (reaches the network)" in out
 
 
 def test_a_table_wraps_a_long_cell_instead_of_cutting_it() -> None:

@@ -301,7 +301,9 @@ class _Collect(logging.Handler):
         self.lines.append(f"{record.levelname.lower()}: {record.getMessage()}")
 
 
-#: The widest the observed column gets in the selftest table; longer text wraps.
+#: The widest the expected and observed columns get in the selftest table; longer text
+#: wraps at a word.
+_EXPECTED_WIDTH = 36
 _OBSERVED_WIDTH = 48
 
 
@@ -326,19 +328,28 @@ async def _selftest(ns: argparse.Namespace) -> int:
             verdicts = await run_kit(pool)
     finally:
         log.removeHandler(collect)
-    rows = [("threat", "expected", "observed", "result", "caught by")]
-    rows += [
-        (v.threat, v.expected, v.observed, "pass" if v.passed else "FAIL", v.caught_by)
-        for v in verdicts
-    ]
-    print(_table(rows, wrap={2: _OBSERVED_WIDTH}))
+    rows = [("threat", "expected under this profile", "observed", "result", "held by")]
+    rows += [(v.threat, v.expected, v.observed, v.status, v.caught_by) for v in verdicts]
+    print(_table(rows, wrap={1: _EXPECTED_WIDTH, 2: _OBSERVED_WIDTH}))
     if collect.lines:
         print("\nwhat the pool logged meanwhile (the kit provokes it):")
         for line in collect.lines:
             print(f"  {line}")
-    failed = [v for v in verdicts if not v.passed]
-    print(f"\n{len(verdicts) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+    print(f"\n{_kit_summary(verdicts)}")
+    return 1 if any(v.status == "FAILED" for v in verdicts) else 0
+
+
+def _kit_summary(verdicts: Sequence[Any]) -> str:
+    """The statuses counted apart, each said plainly (a 'not held' is no pass)."""
+    count = {s: sum(v.status == s for v in verdicts) for s in ("held", "not held", "not run")}
+    failed = [v.threat for v in verdicts if v.status == "FAILED"]
+    parts = [
+        f"{count['held']} held",
+        f"{count['not held']} not held (expected under this profile: see 'expected')",
+        f"{count['not run']} not run",
+        f"{len(failed)} FAILED" + (f" ({', '.join(failed)})" if failed else ""),
+    ]
+    return ", ".join(parts)
 
 
 def _table(rows: Sequence[Sequence[str]], *, wrap: Mapping[int, int]) -> str:
