@@ -6,6 +6,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
@@ -437,3 +438,32 @@ def test_a_reader_gone_away_ends_the_command_quietly(args: tuple[str, ...]) -> N
     assert proc.returncode == 141, err
     assert err == ""
     assert _reapers_of(proc.pid) == []
+
+
+@pytest.mark.timeout(120)
+def test_the_cli_logs_to_stderr_with_its_prefix_at_the_level_asked() -> None:
+    """Issue 27: no bare WARNING lines from Python's fallback handler: the command's own,
+    on stderr (stdout stays the result), prefixed, at ``--log-level`` (before or after the
+    subcommand)."""
+    done = toolpool("call", EXAMPLES, "crash", '{"code": 3}')
+    assert done.returncode == 1
+    assert json.loads(done.stdout)["outcome"] == "worker_lost"
+    lines = done.stderr.splitlines()
+    assert lines, done.stderr
+    assert all(line.startswith("toolpool: ") for line in lines), lines
+    assert any(
+        line.startswith("toolpool: warning: worker ") and "died during a call" in line
+        for line in lines
+    ), lines
+    quiet = toolpool("call", EXAMPLES, "crash", '{"code": 3}', "--log-level", "error")
+    assert quiet.returncode == 1
+    assert quiet.stderr == ""
+    chatty = toolpool("--log-level", "debug", "call", EXAMPLES, "noop")
+    assert chatty.returncode == 0, chatty.stderr
+    assert "toolpool: debug: worker 1 (pid " in chatty.stderr
+    assert "retired (the pool is closing)" in chatty.stderr
+
+
+def test_importing_toolpool_adds_a_null_handler() -> None:
+    handlers = logging.getLogger("toolpool").handlers
+    assert any(isinstance(h, logging.NullHandler) for h in handlers), handlers

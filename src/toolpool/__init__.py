@@ -8,7 +8,12 @@ worker process, which needs the registry but not the supervisor, imports only wh
 from __future__ import annotations
 
 import importlib as _importlib
+import logging as _logging
 import typing as _typing
+
+# A library logs; the application decides where it goes. Without a handler of its own, an
+# application that configured no logging sees nothing (not Python's bare fallback lines).
+_logging.getLogger("toolpool").addHandler(_logging.NullHandler())
 
 if _typing.TYPE_CHECKING:
     from .core import (

@@ -51,6 +51,39 @@ def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
     )
 
 
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _add_log_level(cmd: argparse.ArgumentParser, default: str | None) -> None:
+    cmd.add_argument(
+        "--log-level",
+        choices=_LOG_LEVELS,
+        # (A subcommand's default must not override the level given before the subcommand.)
+        default=argparse.SUPPRESS if default is None else default,
+        help="what the pool logs to stderr, as 'toolpool: LEVEL: message' (default: warning)",
+    )
+
+
+class _LogFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"toolpool: {record.levelname.lower()}: {record.getMessage()}"
+
+
+#: The command's own log handler (stderr), set up by :func:`main`.
+_log_handler = logging.StreamHandler(sys.stderr)
+_log_handler.setFormatter(_LogFormatter())
+
+
+def _configure_logging(level: str) -> None:
+    """The pool's log lines go to stderr, prefixed, at ``level`` and above; never into
+    stdout (results, batch summaries) and never through Python's bare fallback handler."""
+    log = logging.getLogger("toolpool")
+    log.setLevel(level.upper())
+    if _log_handler not in log.handlers:
+        log.addHandler(_log_handler)
+    log.propagate = False
+
+
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -63,6 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"toolpool {__version__}", help="print the version"
     )
+    _add_log_level(parser, "warning")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sub.add_parser("demo", help="run the built-in example job and show what happened")
@@ -104,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_profile_options(call, "default")
     _add_batch(sub)
+    for cmd in sub.choices.values():  # (after the subcommand too: `toolpool batch --log-level`)
+        _add_log_level(cmd, None)
     return parser
 
 
@@ -316,6 +352,7 @@ async def _selftest(ns: argparse.Namespace) -> int:
     log = logging.getLogger("toolpool")
     collect = _Collect()
     log.addHandler(collect)
+    log.removeHandler(_log_handler)
     try:
         async with Pool(
             "toolpool.testing.hostile:registry",
@@ -328,6 +365,7 @@ async def _selftest(ns: argparse.Namespace) -> int:
             verdicts = await run_kit(pool)
     finally:
         log.removeHandler(collect)
+        log.addHandler(_log_handler)
     rows = [("threat", "expected under this profile", "observed", "result", "held by")]
     rows += [(v.threat, v.expected, v.observed, v.status, v.caught_by) for v in verdicts]
     print(_table(rows, wrap={1: _EXPECTED_WIDTH, 2: _OBSERVED_WIDTH}))
@@ -408,6 +446,7 @@ def _put_cwd_on_path() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``toolpool`` command."""
     ns = _parser().parse_args(argv)
+    _configure_logging(ns.log_level)
     _put_cwd_on_path()
     try:
         status = _run(ns)
