@@ -422,15 +422,17 @@ def _tools(ns: argparse.Namespace) -> int:
 
 def _message(exc: BaseException) -> str:
     """``Type: message`` in one line. A worker's start failure carries the worker's
-    traceback: of an import that failed (the module or attribute is not there), its last
-    line says it all."""
+    traceback: where the worker could not load the tools (no such module or attribute, an
+    import that raised, not a Registry), its last line is what ``toolpool tools`` prints;
+    otherwise that line follows the failure's own first line."""
     text = str(exc)
     if isinstance(exc, WorkerStartError) and "Traceback (most recent call last):" in text:
         head, _, trace = text.partition("Traceback (most recent call last):")
         last = trace.strip().splitlines()[-1]
-        if last.startswith(("ModuleNotFoundError:", "ImportError:")):
-            text = head + last
-    return f"{type(exc).__name__}: {text}"
+        if "load_registry" in trace or last.startswith(("ModuleNotFoundError:", "ImportError:")):
+            return last
+        return f"{type(exc).__name__}: {head.strip()} {last}"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _put_cwd_on_path() -> None:
