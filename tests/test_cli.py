@@ -360,7 +360,11 @@ def test_ctrl_c_says_what_the_pool_does_and_ends_without_a_traceback(
         "toolpool: stopped: every call settled and every process of the pool is gone"
     )
     assert len(lines) == 2, err
-    assert out == ""
+    # The call settled (escalated: it ignores its cancel): what it settled as is printed
+    # (issue 27: it printed nothing).
+    result = json.loads(out)
+    assert (result["outcome"], result["body_started"]) == ("killed", True), result
+    assert result["rung"] in ("sigterm", "sigkill")
     assert _gone(worker)
 
 
@@ -374,8 +378,9 @@ def test_a_second_ctrl_c_kills_at_once(agenttools: Path) -> None:
     first = proc.stderr.readline()  # the pool is stopping: it would wait 600 s
     assert first.startswith("toolpool: interrupted: stopping the pool."), first
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)  # far below the 600 s grace
+    out, err = proc.communicate(timeout=60)  # far below the 600 s grace
     assert proc.returncode == 130, err
+    assert json.loads(out)["rung"] == "sigkill"
     lines = err.strip().splitlines()
     assert lines == [
         "toolpool: interrupted again: killing 1 call now (SIGKILL)",
@@ -467,3 +472,105 @@ def test_the_cli_logs_to_stderr_with_its_prefix_at_the_level_asked() -> None:
 def test_importing_toolpool_adds_a_null_handler() -> None:
     handlers = logging.getLogger("toolpool").handlers
     assert any(isinstance(h, logging.NullHandler) for h in handlers), handlers
+
+
+# ------------------------------------------------------------------ issue 27: CLI slips
+
+BROKEN_MODULES = {
+    "raises_at_import": "import toolpool\nregistry = toolpool.Registry()\n1 / 0\n",
+    "bad_syntax": "import toolpool\nregistry = toolpool.Registry(\n",
+    "not_a_registry": "registry = 3\n",
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("module", sorted(BROKEN_MODULES))
+def test_tools_that_cannot_load_are_the_same_one_line_for_tools_and_call(
+    tmp_path: Path, module: str
+) -> None:
+    (tmp_path / f"{module}.py").write_text(BROKEN_MODULES[module])
+    listed = _run_here(tmp_path, "tools", f"{module}:registry")
+    called = _run_here(tmp_path, "call", f"{module}:registry", "anything")
+    for done in (listed, called):
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert called.stderr == listed.stderr
+    expected = {
+        "raises_at_import": "raised ZeroDivisionError: division by zero",
+        "bad_syntax": "raised SyntaxError: '(' was never closed",
+        "not_a_registry": "TypeError: 'not_a_registry:registry' is an int, not a toolpool.Registry",
+    }[module]
+    assert expected in listed.stderr
+
+
+PROGRESS_TOOLS = '''
+import time
+
+import toolpool
+
+registry = toolpool.Registry()
+
+
+@registry.tool
+def steps(n: int, execution: toolpool.ToolExecution) -> int:
+    """Print a line and report progress n times."""
+    for i in range(n):
+        print(f"step {i}", flush=True)
+        execution.report_progress(i + 1, n, f"step {i}")
+        time.sleep(0.1)
+    return n
+'''
+
+
+@pytest.mark.timeout(120)
+def test_call_output_captures_what_the_tool_writes(tmp_path: Path) -> None:
+    (tmp_path / "progress_tools.py").write_text(PROGRESS_TOOLS)
+    shown = _run_here(tmp_path, "call", "progress_tools:registry", "steps", '{"n": 3}', "--output")
+    assert shown.returncode == 0, shown.stderr
+    result = json.loads(shown.stdout)
+    assert result["output"] == "step 0\nstep 1\nstep 2\n"
+    # Times to the microsecond, not 0.0005549999999999999.
+    for value in [result["cpu_time"], result["duration"], *result["timeline"].values()]:
+        assert value == round(value, 6), value
+    plain = _run_here(tmp_path, "call", "progress_tools:registry", "steps", '{"n": 1}')
+    assert json.loads(plain.stdout)["output"] is None
+    assert "\x1b" not in plain.stderr  # not a terminal: no progress line
+
+
+@pytest.mark.timeout(120)
+def test_call_shows_progress_on_a_terminal(tmp_path: Path) -> None:
+    """With stderr on a terminal (a pty), the tool's progress reports are shown on one
+    line, cleared at the end; stdout is still the result alone."""
+    (tmp_path / "progress_tools.py").write_text(PROGRESS_TOOLS)
+    leader, follower = os.openpty()
+    try:
+        proc = subprocess.Popen(
+            [*_script(), "call", "progress_tools:registry", "steps", '{"n": 10}'],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=follower,
+            cwd=tmp_path,
+        )
+        os.close(follower)
+        follower = -1
+        seen = b""
+        while True:  # until the command closes the terminal (it exited)
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # EIO: no process has the terminal open any more
+                break
+            if not chunk:
+                break
+            seen += chunk
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    assert proc.returncode == 0
+    assert json.loads(stdout)["value"] == 10
+    text = seen.decode(errors="replace")
+    assert "toolpool: steps: " in text, text
+    assert "/10 step " in text, text
+    assert text.rindex("\r\x1b[K") > text.rindex("toolpool: steps: "), text  # cleared

@@ -8,10 +8,11 @@ import enum
 import json
 import logging
 import os
+import shutil
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 
@@ -22,7 +23,7 @@ from .core import ToolpoolError, WorkerStartError
 EXIT_BROKEN_PIPE = 141
 
 if TYPE_CHECKING:
-    from .supervisor import Result
+    from .supervisor import Call, Result
 
 
 def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
@@ -116,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Run one call in a fresh one-worker pool and print its result as JSON; "
         "exit 0 if the outcome is ok, 1 if not. Ctrl-C stops the call as the pool stops "
         "calls (cancel, then SIGTERM and SIGKILL after the graces); a second Ctrl-C kills "
-        "it at once.",
+        "it at once; the settled result is printed and the exit status is 130. On a "
+        "terminal, what the tool reports of its progress is shown on stderr.",
     )
     call.add_argument("spec", help="module:attribute naming a toolpool.Registry")
     call.add_argument("tool", help="the tool's name")
@@ -136,11 +138,29 @@ def _parser() -> argparse.ArgumentParser:
         default=2.0,
         help="seconds after SIGTERM before SIGKILL (default: 2)",
     )
+    call.add_argument(
+        "--output",
+        nargs="?",
+        const=_CALL_OUTPUT,
+        default=None,
+        metavar="SIZE",
+        help="capture what the tool writes to stdout and stderr into the result's 'output' "
+        f"(at most SIZE, default {_CALL_OUTPUT})",
+    )
+    call.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="do not show the tool's progress reports on stderr (shown on a terminal only)",
+    )
     _add_profile_options(call, "default")
     _add_batch(sub)
     for cmd in sub.choices.values():  # (after the subcommand too: `toolpool batch --log-level`)
         _add_log_level(cmd, None)
     return parser
+
+
+#: How much of a tool's output ``toolpool call --output`` keeps by default.
+_CALL_OUTPUT = "1MiB"
 
 
 def _add_batch(sub: Any) -> None:
@@ -203,16 +223,40 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _seconds(value: float | None) -> float | None:
+    """Seconds to the microsecond (``0.000555``, not ``0.0005549999999999999``)."""
+    return None if value is None else round(value, 6)
+
+
 def _result_json(result: Result) -> dict[str, Any]:
-    """Every field of the result; the timeline as seconds since submission, step by step."""
+    """Every field of the result; the timeline as seconds since submission, step by step;
+    times to the microsecond."""
     out = {
         f.name: _jsonable(getattr(result, f.name))
         for f in dataclasses.fields(result)
         if f.name != "timeline"
     }
-    out["duration"] = result.duration()
-    out["timeline"] = dict(result.timeline.steps())
+    out["cpu_time"] = _seconds(result.cpu_time)
+    out["duration"] = _seconds(result.duration())
+    out["timeline"] = {step: _seconds(t) for step, t in result.timeline.steps()}
     return out
+
+
+async def _show_progress(call: Call, stream: TextIO) -> None:
+    """The call's progress reports on one line of ``stream`` (a terminal), rewritten as
+    they come; the line is cleared when the call settles."""
+    shown = False
+    try:
+        async for p in call.progress_updates():
+            amount = f"{p.done:g}" + (f"/{p.total:g}" if p.total is not None else "")
+            line = f"toolpool: {call.tool}: {amount}" + (f" {p.message}" if p.message else "")
+            stream.write("\r\x1b[K" + line[: shutil.get_terminal_size().columns - 1])
+            stream.flush()
+            shown = True
+    finally:
+        if shown:
+            stream.write("\r\x1b[K")
+            stream.flush()
 
 
 async def _call(ns: argparse.Namespace) -> int:
@@ -225,20 +269,29 @@ async def _call(ns: argparse.Namespace) -> int:
     if not isinstance(args, dict):
         raise ValueError("args must be a JSON object")
     stop = Interrupts(ns.cancel_grace, ns.term_grace)
+    progress = not ns.no_progress and sys.stderr.isatty()
 
     async def job() -> int:
+        call: Call | None = None
         async with Pool(
             ns.spec,
             workers=1,
             cancel_grace=ns.cancel_grace,
             term_grace=ns.term_grace,
             profile=_profile(ns),
+            capture_output=ns.output,
         ) as pool:
-            result: Result | None = None
-            with stop.cancellable():
-                result = await stop.wait(pool.submit(ns.tool, args, timeout=ns.timeout))
-        if result is None:
+            call = pool.submit(ns.tool, args, timeout=ns.timeout)
+            async with anyio.create_task_group() as tg:
+                if progress:
+                    tg.start_soon(_show_progress, call, sys.stderr)
+                with stop.cancellable():
+                    await stop.wait(call)
+        # Interrupted or not, the pool is closed: the call settled, and what it settled as
+        # is printed (the exit status is then 130).
+        if call is None or not call.done():
             return EXIT_INTERRUPTED
+        result = call.result()
         print(json.dumps(_result_json(result), indent=2, default=repr))
         return 0 if result.ok else 1
 
