@@ -100,7 +100,14 @@ def _parser() -> argparse.ArgumentParser:
     _add_log_level(parser, "warning")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sub.add_parser("demo", help="run the built-in example job and show what happened")
+    sub.add_parser(
+        "demo",
+        help="run the built-in example job and show what happened",
+        description="Run a small job of built-in example tools through a pool (a call that "
+        "returns, one that ignores its cancel, one that ignores SIGTERM, one that leaves a "
+        "daemon behind...) and show, call by call, what was observed: the outcome, the rung "
+        "of the escalation ladder reached, and the timeline. Ctrl-C stops it as `call` does.",
+    )
 
     tools = sub.add_parser("tools", help="list the tools a registry provides, as JSON")
     tools.add_argument("spec", help="module:attribute naming a toolpool.Registry")
@@ -168,14 +175,17 @@ def _add_batch(sub: Any) -> None:
         "batch",
         help="run a JSONL file of calls through a pool, resumably",
         description="Run every line of INPUT (a JSON object: id, tool, args, and optionally "
-        "timeout and group) as a call, and append one record per id to RESULTS as its call "
-        "settles. Run the same command again to resume: recorded ids are skipped. Ctrl-C "
+        "timeout and group) as a call, and append one record per id to OUTPUT as its call "
+        "settles. Run the same command again to resume: recorded ids are skipped (--rerun "
+        "names outcomes to run again). Ctrl-C "
         "or SIGTERM cancels every call (what settles is recorded); a second Ctrl-C kills "
         "them. Exit 0 if every record is ok, 1 if not or a line was rejected, 2 on a usage "
         "error, 130 if interrupted. See docs/batch.md.",
     )
     batch.add_argument("spec", help="module:attribute naming a toolpool.Registry")
-    batch.add_argument("input", help="the input file, one JSON object per line")
+    batch.add_argument(
+        "input", help="the input file, one JSON object per line ('-': standard input)"
+    )
     batch.add_argument(
         "-o", "--output", required=True, help="the results file (appended to; resumed from)"
     )
@@ -196,7 +206,16 @@ def _add_batch(sub: Any) -> None:
     batch.add_argument(
         "--idempotent",
         action="store_true",
-        help="the tools may run twice: --retries also retries calls whose body started",
+        help="the tools may run twice: --retries also retries calls whose body started, "
+        "and --rerun runs them again",
+    )
+    batch.add_argument(
+        "--rerun",
+        type=_outcomes,
+        default=frozenset(),
+        metavar="OUTCOME[,OUTCOME]",
+        help="on resume, run again the calls recorded with these outcomes (e.g. "
+        "aborted,killed,worker_lost); refused without --idempotent where a body started",
     )
     batch.add_argument("--no-progress", action="store_true", help="no progress bar")
     batch.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -303,10 +322,15 @@ def _batch(ns: argparse.Namespace) -> int:
 
     if ns.retries < 0:
         raise ValueError(f"--retries must be 0 or more, got {ns.retries}")
+    if ns.workers < 1:
+        raise ValueError(f"--workers must be 1 or more, got {ns.workers}")
     if ns.timeout is not None and not ns.timeout > 0:
         raise ValueError(f"--timeout must be a positive number of seconds, got {ns.timeout}")
+    if ns.output == "-":
+        raise ValueError("the results file must be a file ('-' is for the input)")
     if (
-        os.path.exists(ns.output)
+        ns.input != "-"
+        and os.path.exists(ns.output)
         and os.path.exists(ns.input)
         and os.path.samefile(ns.input, ns.output)
     ):
@@ -320,10 +344,27 @@ def _batch(ns: argparse.Namespace) -> int:
         timeout=ns.timeout,
         retries=ns.retries,
         idempotent=ns.idempotent,
+        rerun=ns.rerun,
         cancel_grace=ns.cancel_grace,
         term_grace=ns.term_grace,
     )
     return anyio.run(_run_batch, options, ns.no_progress, ns.json)
+
+
+def _outcomes(text: str) -> frozenset[str]:
+    """``--rerun``'s value: outcomes, comma-separated."""
+    from .core import Outcome
+
+    known = [o.value for o in Outcome]
+    chosen = frozenset(part.strip() for part in text.split(",") if part.strip())
+    unknown = sorted(chosen - set(known))
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(
+            f"unknown outcome(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}"
+            if unknown
+            else "name at least one outcome"
+        )
+    return chosen
 
 
 async def _run_batch(options: Any, no_progress: bool, as_json: bool) -> int:

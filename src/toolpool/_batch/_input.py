@@ -28,7 +28,18 @@ Id = str | int
 class Job:
     """One call to make: an input line that passed every check."""
 
-    __slots__ = ("args", "attempts", "first_submitted", "group", "id", "line", "timeout", "tool")
+    __slots__ = (
+        "args",
+        "attempts",
+        "first_submitted",
+        "group",
+        "id",
+        "line",
+        "queued",
+        "ran",
+        "timeout",
+        "tool",
+    )
 
     def __init__(
         self,
@@ -49,6 +60,22 @@ class Job:
         """Runs submitted so far."""
         self.first_submitted: float | None = None
         """When the first run was submitted (``time.monotonic()``)."""
+        self.queued = 0.0
+        """Seconds its runs so far waited before their body started (in the pool's queue,
+        or queued in a busy worker)."""
+        self.ran = 0.0
+        """Seconds its runs so far took, from their body's start to their settlement."""
+
+    def count_run(self, result: Any) -> None:
+        """Add a settled run's times (``result``: its :class:`toolpool.Result`) to
+        :attr:`queued` and :attr:`ran`: one whose body never started (as far as was
+        observed) only queued."""
+        times = result.timeline
+        if times.settled is None:
+            return
+        taken = times.started if times.started is not None else times.settled
+        self.queued += max(0.0, taken - times.submitted)
+        self.ran += max(0.0, times.settled - taken)
 
 
 @final
@@ -107,6 +134,12 @@ def read_jobs(
             continue
         try:
             line = json.loads(raw.decode())  # (decoded here: quicker than loads' own sniffing)
+        except json.JSONDecodeError as exc:
+            # Its position as a column of this line (the text ends at the line's end: an
+            # error found at its newline is at the column after the last character).
+            column = min(exc.pos, len(exc.doc.rstrip("\r\n"))) + 1
+            yield Rejection(number, f"line {number}: not valid JSON ({exc.msg}, column {column})")
+            continue
         except (ValueError, UnicodeDecodeError) as exc:
             yield Rejection(number, f"line {number}: not valid JSON ({exc})")
             continue
