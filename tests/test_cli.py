@@ -187,6 +187,8 @@ def test_a_table_wraps_a_long_cell_instead_of_cutting_it() -> None:
         "   three",
         "   four five",
     ]
+    long = _table([("a", "b"), ("x", "see /a/very/long/path/to/it now")], wrap={1: 9})
+    assert long.splitlines()[2:] == ["x  see", "   /a/very/long/path/to/it", "   now"]
 
 
 # ------------------------------------------------------------------ what a new user hits

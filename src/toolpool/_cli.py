@@ -484,14 +484,17 @@ def _kit_summary(verdicts: Sequence[Any]) -> str:
     return ", ".join(parts)
 
 
+def _wrap(text: str, width: int) -> list[str]:
+    """Lines of at most ``width`` at word boundaries; a word longer than that (a path, a
+    repr) stands whole on a line of its own, never cut."""
+    return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
+
+
 def _table(rows: Sequence[Sequence[str]], *, wrap: Mapping[int, int]) -> str:
     """Columns padded to their widest cell; a column in ``wrap`` wraps at that width onto
     continuation lines instead (nothing is cut off). The first row is the header."""
     grid = [
-        [
-            (textwrap.wrap(c, wrap[i], break_on_hyphens=False) or [""]) if i in wrap else [c]
-            for i, c in enumerate(row)
-        ]
+        [(_wrap(c, wrap[i]) or [""]) if i in wrap else [c] for i, c in enumerate(row)]
         for row in rows
     ]
     width = len(rows[0])
