@@ -141,7 +141,8 @@ def _fd_exhaustion(result: Any, setting: Setting) -> Judgement:
         if result.ok and ours is None:  # no limit below the tool's own bound of opens
             return Judgement("not held", "opens unchecked (no open-file limit)", "-")
         return Judgement("FAILED", "EMFILE, the worker serves on", "-")
-    if ours is not None and limit == ours:
+    if ours is not None and isinstance(limit, int) and limit <= ours:
+        # (Below the profile's where the hard limit it inherited is lower: stricter still.)
         return Judgement("held", "EMFILE, the worker serves on", f"RLIMIT_NOFILE={limit}")
     if ours is not None:  # the profile's limit is not what the worker ran under
         return Judgement("FAILED", f"EMFILE at the profile's RLIMIT_NOFILE={ours}", "-")
