@@ -882,3 +882,39 @@ def test_rerun_makes_recorded_calls_again_where_safe_and_refuses_otherwise(
     allowed = batch(after, out, "--json", "--rerun", "worker_lost", "--idempotent")
     assert allowed.returncode == 0, allowed.stderr
     assert [r["outcome"] for r in records(out)] == ["worker_lost", "ok"]
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_pipe_never_blocks_the_batch(tmp_path: Path) -> None:
+    """Calls read from a pipe whose writer is slow, then silent: what came is run and
+    recorded at once, and Ctrl-C (a real SIGINT) stops the batch while it waits for more."""
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(
+        _command(Path("-"), out, "--json"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+    )
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write(b'{"id": 1, "tool": "noop", "args": {}}\n\n')
+        proc.stdin.flush()
+        wait_for(lambda: out.exists() and b'"id":1' in out.read_bytes(), "the first record")
+        proc.stdin.write(b'{"id": 2, "tool": "noop", "args": {}}\n')
+        proc.stdin.flush()
+        wait_for(lambda: b'"id":2' in out.read_bytes(), "the second record")
+        proc.send_signal(signal.SIGINT)  # (the writer is silent, the pipe still open)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, stderr
+    summary = json.loads(stdout)
+    assert (summary["lines"], summary["recorded"], summary["interrupted"]) == (
+        2,
+        {"ok": 2},
+        True,
+    )
+    assert [r["id"] for r in records(out)] == [1, 2]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import stat
 import sys
 import time
 from collections import Counter
@@ -21,12 +22,13 @@ from typing import Any, BinaryIO, Final, final
 import anyio
 import anyio.abc
 import anyio.lowlevel
+import anyio.to_thread
 
 from .._interrupts import EXIT_INTERRUPTED
 from ..core import Outcome, ToolpoolError, UnknownToolError
 from ..sandbox import Profile
 from ..supervisor import Call, Group, Pool
-from ._input import SKIPPED, Job, Rejection, count_lines, read_jobs
+from ._input import SKIPPED, Job, PipeLines, Rejection, count_lines, read_jobs
 from ._output import ResultsFile, call_record, rejection_record
 
 __all__ = ("EXIT_INTERRUPTED", "TICK", "Batch", "BatchOptions", "Summary")
@@ -189,6 +191,7 @@ class Batch:
         self._watcher = watcher or Watcher()
         self._pool: Pool | None = None
         self._results: ResultsFile | None = None
+        self._pipe: PipeLines | None = None
         self._pending: dict[Call, Job] = {}
         self._groups: dict[str, list[Any]] = {}  # name -> [Group, calls of it in flight]
         self._stopping = False
@@ -290,8 +293,13 @@ class Batch:
                 self._results = self._open_results()
             results = self._results
             self._known_rejections = results.previous.rejections
+            lines: BinaryIO | PipeLines = stream
+            if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
+                # (A pipe, a terminal: read by a thread, never blocking the event loop.)
+                self._pipe = lines = PipeLines(stream)
+                tg.start_soon(self._read_pipe, self._pipe)
             jobs = read_jobs(
-                stream,
+                lines,
                 tools=pool.catalog,
                 recorded=results.previous.ids,
                 default_timeout=options.timeout,
@@ -335,11 +343,13 @@ class Batch:
             # (skipped, rejected) must not keep the signals and the progress waiting, nor
             # pile up records unwritten.
             budget = READ_AT_ONCE
+            pipe = self._pipe
             while (
                 more
                 and not self._stopping
                 and len(pending) < (window if self._timeouts else MAX_WINDOW)
                 and budget
+                and (pipe is None or pipe.ready())
             ):
                 budget -= 1
                 item = next(jobs, None)
@@ -359,7 +369,10 @@ class Batch:
             if not pending:
                 if not more or self._stopping:
                     break
-                await anyio.lowlevel.checkpoint()
+                if pipe is not None:
+                    await pipe.wait()  # (a line, the end, or a stop: _stop wakes it)
+                else:
+                    await anyio.lowlevel.checkpoint()
                 continue
             head = next(iter(pending))
             everything = False
@@ -509,11 +522,19 @@ class Batch:
     def _stop(self) -> None:
         """Stop reading; cancel every call in flight (cause ``user``), group by group."""
         self._stopping = True
+        if self._pipe is not None:
+            self._pipe.wake()
         for group, _ in list(self._groups.values()):
             group.cancel()
         for call, job in list(self._pending.items()):
             if job.group is None:
                 call.cancel()
+
+    @staticmethod
+    async def _read_pipe(pipe: PipeLines) -> None:
+        # (Abandoned when the batch ends first: the thread ends with the input, or the
+        # process.)
+        await anyio.to_thread.run_sync(pipe.read, abandon_on_cancel=True)
 
     # ------------------------------------------------------------------ progress
 
