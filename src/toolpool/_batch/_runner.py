@@ -550,9 +550,9 @@ class Batch:
 
 
 def _open_input(path: str) -> BinaryIO:
-    """The input, opened for reading (``-``: standard input). It is read in the event loop,
-    a line at a time when a call can be submitted: a file's lines are at hand; a pipe's
-    writer must keep up."""
+    """The input, opened for reading (``-``: standard input). A regular file is read in the
+    event loop, a line at a time when a call can be submitted (its lines are at hand); any
+    other input by a thread (:class:`PipeLines`), so that a silent writer blocks nothing."""
     if path == "-":
         return sys.stdin.buffer
     try:
