@@ -576,3 +576,17 @@ def test_call_shows_progress_on_a_terminal(tmp_path: Path) -> None:
     assert "toolpool: steps: " in text, text
     assert "/10 step " in text, text
     assert text.rindex("\r\x1b[K") > text.rindex("toolpool: steps: "), text  # cleared
+
+
+def test_main_leaves_the_toolpool_logger_as_it_found_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The command's handler is its own while it runs: a program (a test) that runs
+    ``main`` in-process keeps its logging (caplog sees the pool's records afterwards)."""
+    from toolpool._cli import main
+
+    log = logging.getLogger("toolpool")
+    before = (log.level, log.propagate, list(log.handlers))
+    assert main(["--log-level", "debug", "tools", EXAMPLES]) == 0
+    assert (log.level, log.propagate, list(log.handlers)) == before
+    assert json.loads(capsys.readouterr().out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import json
@@ -11,7 +12,7 @@ import os
 import shutil
 import sys
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
@@ -70,19 +71,31 @@ class _LogFormatter(logging.Formatter):
         return f"toolpool: {record.levelname.lower()}: {record.getMessage()}"
 
 
-#: The command's own log handler (stderr), set up by :func:`main`.
-_log_handler = logging.StreamHandler(sys.stderr)
-_log_handler.setFormatter(_LogFormatter())
+#: The command's own log handler (stderr) while :func:`main` runs.
+_log_handler: logging.Handler | None = None
 
 
-def _configure_logging(level: str) -> None:
+@contextlib.contextmanager
+def _logging_to_stderr(level: str) -> Iterator[None]:
     """The pool's log lines go to stderr, prefixed, at ``level`` and above; never into
-    stdout (results, batch summaries) and never through Python's bare fallback handler."""
+    stdout (results, batch summaries) and never through Python's bare fallback handler.
+    As it was afterwards (``main`` may run inside another program: a test)."""
+    global _log_handler
     log = logging.getLogger("toolpool")
+    saved = log.level, log.propagate
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LogFormatter())
     log.setLevel(level.upper())
-    if _log_handler not in log.handlers:
-        log.addHandler(_log_handler)
+    log.addHandler(handler)
     log.propagate = False
+    _log_handler = handler
+    try:
+        yield
+    finally:
+        _log_handler = None
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -446,7 +459,9 @@ async def _selftest(ns: argparse.Namespace) -> int:
     log = logging.getLogger("toolpool")
     collect = _Collect()
     log.addHandler(collect)
-    log.removeHandler(_log_handler)
+    ours = _log_handler
+    if ours is not None:
+        log.removeHandler(ours)
     try:
         async with Pool(
             "toolpool.testing.hostile:registry",
@@ -459,7 +474,8 @@ async def _selftest(ns: argparse.Namespace) -> int:
             verdicts = await run_kit(pool)
     finally:
         log.removeHandler(collect)
-        log.addHandler(_log_handler)
+        if ours is not None:
+            log.addHandler(ours)
     rows = [("threat", "expected under this profile", "observed", "result", "held by")]
     rows += [(v.threat, v.expected, v.observed, v.status, v.caught_by) for v in verdicts]
     print(_table(rows, wrap={1: _EXPECTED_WIDTH, 2: _OBSERVED_WIDTH}))
@@ -545,10 +561,10 @@ def _put_cwd_on_path() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``toolpool`` command."""
     ns = _parser().parse_args(argv)
-    _configure_logging(ns.log_level)
     _put_cwd_on_path()
     try:
-        status = _run(ns)
+        with _logging_to_stderr(ns.log_level):
+            status = _run(ns)
         sys.stdout.flush()  # (a reader gone away shows here, not as a traceback at exit)
         return status
     except BrokenPipeError:
