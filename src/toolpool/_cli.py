@@ -159,10 +159,12 @@ def _mcp(ns: argparse.Namespace) -> int:
     from .mcp import _import
 
     run = _import("_main").run
-    # stderr is the client's log of the server: what happened to each call, at INFO.
+    # stderr is the client's log of the server: what happened to each call (toolpool's
+    # loggers at INFO), and the warnings of the libraries under it.
     logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="toolpool: %(levelname)s %(message)s"
+        level=logging.WARNING, stream=sys.stderr, format="toolpool: %(levelname)s %(message)s"
     )
+    logging.getLogger("toolpool").setLevel(logging.INFO)
     if ns.timeout is not None and not ns.timeout > 0:
         raise ValueError(f"--timeout must be a positive number of seconds, got {ns.timeout}")
     return int(
