@@ -78,9 +78,11 @@ def stubborn(marker: str, execution: ToolExecution, seconds: float = 3600.0) -> 
 
 @registry.tool
 async def count(steps: int, execution: ToolExecution, pause: float = 0.06) -> int:
-    """Report progress steps/steps, one every ``pause`` seconds, then return steps."""
+    """Report progress steps/steps, one every ``pause`` seconds, then return steps; stops
+    (aborted) at the next step when cancelled."""
     for done in range(1, steps + 1):
         await anyio.sleep(pause)
+        execution.signal.raise_if_cancelled()
         execution.report_progress(done, steps, f"step {done}")
     return steps
 

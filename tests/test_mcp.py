@@ -399,10 +399,12 @@ class _Http:
 
 
 @asynccontextmanager
-async def _http(*, token: str | None = None, max_body_bytes: int = 1 << 20) -> AsyncIterator[_Http]:
+async def _http(
+    *, token: str | None = None, max_body_bytes: int = 1 << 20, timeout: float | None = None
+) -> AsyncIterator[_Http]:
     async with toolpool.Pool(cancel_grace=0.3, term_grace=0.3) as pool:
         await pool.add_provider("main", "tests.mcp_tools:registry", workers=2)
-        server = McpServer(pool)
+        server = McpServer(pool, timeout=timeout)
         app = server.asgi_app(token=token, max_body_bytes=max_body_bytes)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -485,6 +487,89 @@ async def test_http_tools_calls_cancel_and_list_changed() -> None:
         assert stats.outcomes.get("aborted") == 1
         assert stats.undelivered == 1
         assert stats.in_flight == 0
+
+
+async def test_http_2026_wire_calls_and_a_closed_stream_is_parent_and_timeout() -> None:
+    """The 2026-07-28 wire (no handshake; a client cancels by closing the response
+    stream), and a call's deadline (cause timeout)."""
+    async with _http(timeout=0.5) as h, streamable_http_client(h.url) as streams:  # noqa: SIM117
+        async with ClientSession(streams[0], streams[1]) as s:
+            await s.discover()
+            assert s.protocol_version == "2026-07-28"
+            assert "echo" in {t.name for t in (await s.list_tools()).tools}
+            ok = await s.call_tool("echo", {"value": 3})
+            assert ok.structured_content == {"outcome": "ok", "body_started": True, "value": 3}
+            late = await s.call_tool("nap", {"seconds": 60})
+            assert late.is_error
+            assert late.structured_content["outcome"] == "timeout"  # type: ignore[index]
+            assert late.structured_content["cause"] == "timeout"  # type: ignore[index]
+            assert late.content[0].text == "Error: tool call timed out"  # type: ignore[union-attr]
+
+            started = anyio.Event()
+
+            async def note(done: float, total: float | None, message: str | None) -> None:
+                started.set()
+
+            async with anyio.create_task_group() as tg:
+
+                async def count() -> None:
+                    await s.call_tool("count", {"steps": 100, "pause": 0.1}, progress_callback=note)
+
+                tg.start_soon(count)
+                with anyio.fail_after(30):
+                    await started.wait()
+                tg.cancel_scope.cancel()  # this wire's cancel: the response stream closes
+            with anyio.fail_after(30):
+                await h.server.wait_idle()
+    stats = h.server.statistics()
+    assert stats.cancelled.get("parent") == 1
+    assert stats.outcomes.get("aborted") == 1
+    assert stats.outcomes.get("timeout") == 1
+
+
+def test_http_command_drains_on_sigterm_as_disposed(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [*raw.server_command(), "--http", "127.0.0.1:0"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        while "serving MCP at" not in (line := proc.stderr.readline()):
+            assert line, "the server did not start"
+        url = line.rsplit(" ", 1)[1].strip()
+
+        async def client() -> dict[str, Any]:
+            async with _client(url) as s:
+                started = anyio.Event()
+
+                async def note(done: float, total: float | None, message: str | None) -> None:
+                    started.set()
+
+                result: list[Any] = []
+                async with anyio.create_task_group() as tg:
+
+                    async def nap() -> None:
+                        result.append(
+                            await s.call_tool("nap", {"seconds": 60}, progress_callback=note)
+                        )
+
+                    tg.start_soon(nap)
+                    with anyio.fail_after(30):
+                        await started.wait()
+                    proc.send_signal(signal.SIGTERM)
+                return result[0].structured_content  # type: ignore[no-any-return]
+
+        content = anyio.run(client)
+        assert content["outcome"] == "aborted"
+        assert content["cause"] == "disposed"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
 
 
 async def _raw_session(client: httpx2.AsyncClient, url: str, headers: dict[str, str]) -> str:
