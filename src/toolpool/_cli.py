@@ -51,6 +51,21 @@ def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
     )
 
 
+def _add_grace_options(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument(
+        "--cancel-grace",
+        type=float,
+        default=5.0,
+        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
+    )
+    cmd.add_argument(
+        "--term-grace",
+        type=float,
+        default=2.0,
+        help="seconds after SIGTERM before SIGKILL (default: 2)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -90,18 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     call.add_argument(
         "--timeout", type=float, default=None, help="seconds before the call is cancelled"
     )
-    call.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    call.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
+    _add_grace_options(call)
     _add_profile_options(call, "default")
     _add_batch(sub)
     _add_mcp(sub)
@@ -133,18 +137,7 @@ def _add_mcp(sub: Any) -> None:
         default=None,
         help="seconds a call may run, for tools whose provider sets no timeout",
     )
-    mcp.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    mcp.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
+    _add_grace_options(mcp)
     _add_profile_options(mcp, "default")
 
 
@@ -221,18 +214,7 @@ def _add_batch(sub: Any) -> None:
     )
     batch.add_argument("--no-progress", action="store_true", help="no progress bar")
     batch.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    batch.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    batch.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
+    _add_grace_options(batch)
     _add_profile_options(batch, "default")
 
 
