@@ -291,6 +291,31 @@ async def test_stdio_notifications_cancelled_is_user_and_progress_is_in_order(
         assert "no client received it" in text
 
 
+_SERVE_FROM_PYTHON = """
+import anyio, toolpool
+from toolpool.mcp import serve
+
+async def main():
+    async with toolpool.Pool() as pool:
+        await pool.add_provider("main", "tests.mcp_tools:registry", workers=1)
+        await serve(pool, timeout=20)
+
+anyio.run(main)
+"""
+
+
+async def test_serve_from_python_on_a_pool_of_providers() -> None:
+    params = StdioServerParameters(
+        command=sys.executable, args=["-c", _SERVE_FROM_PYTHON], cwd=str(ROOT), env=dict(os.environ)
+    )
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        tools = {t.name: t for t in (await session.list_tools()).tools}
+        assert "stopped after 20 s" in (tools["echo"].description or "")
+        result = await session.call_tool("echo", {"value": 11})
+        assert result.structured_content == {"outcome": "ok", "body_started": True, "value": 11}
+
+
 def test_stdin_closed_mid_call_cancels_as_parent_and_leaves_nothing() -> None:
     marker = f"tp-mcp-{uuid.uuid4().hex}"
     with tempfile.TemporaryFile() as errlog:
@@ -480,6 +505,10 @@ async def test_http_tools_calls_cancel_and_list_changed() -> None:
                 changed = anyio.Event()
                 assert "late" in {t.name for t in (await s.list_tools()).tools}
                 assert (await s.call_tool("late", {"value": 9})).structured_content["value"] == 9  # type: ignore[index]
+                await h.pool.reload_provider("extra")
+                with anyio.fail_after(30):
+                    await changed.wait()
+                changed = anyio.Event()
                 await h.pool.remove_provider("extra")
                 with anyio.fail_after(30):
                     await changed.wait()
@@ -629,6 +658,34 @@ async def test_http_garbage_oversized_unknown_and_origin_are_refused_others_serv
         )
         assert evil.status_code == 403
         assert (await other.call_tool("echo", {"value": 5})).structured_content["value"] == 5  # type: ignore[index]
+
+
+async def test_http_a_task_belongs_to_its_session() -> None:
+    async with _http() as h, httpx2.AsyncClient(timeout=30) as client:
+        sessions = [await _raw_session(client, h.url, _ACCEPT) for _ in range(2)]
+        owner, stranger = (
+            {**_ACCEPT, "mcp-session-id": sid, "mcp-protocol-version": "2025-11-25"}
+            for sid in sessions
+        )
+
+        async def ask(headers: dict[str, str], method: str, params: dict[str, Any]) -> Any:
+            body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+            response = await client.post(h.url, json=body, headers=headers)
+            for line in response.text.splitlines():
+                if line.startswith("data:") and line[5:].strip():
+                    return json.loads(line[5:])
+            return response.json()
+
+        created = await ask(
+            owner, "tools/call", {"name": "nap", "arguments": {"seconds": 60}, "task": {}}
+        )
+        task_id = created["result"]["task"]["taskId"]
+        for method in ("tasks/get", "tasks/cancel", "tasks/result"):
+            refused = await ask(stranger, method, {"taskId": task_id})
+            assert "Unknown task" in refused["error"]["message"], refused
+        assert (await ask(stranger, "tasks/list", {}))["result"]["tasks"] == []
+        final = await ask(owner, "tasks/cancel", {"taskId": task_id})
+        assert final["result"]["status"] == "cancelled", final
 
 
 async def test_http_bearer_token() -> None:
