@@ -29,11 +29,12 @@ import uvicorn
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
 from mcp.shared.jsonrpc_dispatcher import JSONRPCDispatcher
 from tests import mcp_raw_client as raw
 
 import toolpool
-from toolpool.mcp import McpServer
+from toolpool.mcp import DRAINING, McpServer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120, method="thread")]
 
@@ -517,7 +518,15 @@ async def test_http_tools_calls_cancel_and_list_changed() -> None:
                 assert await _call_then(s, "nap", {"seconds": 60}) is None
                 with anyio.fail_after(30):
                     await h.server.wait_idle()
+
+                h.server.begin_drain()  # what `toolpool serve` does on SIGTERM
+                assert h.server.draining
+                with pytest.raises(MCPError, match="draining") as refused:
+                    await s.call_tool("echo", {"value": 1})
+                assert refused.value.error.code == DRAINING
+                assert (await s.list_tools()).tools  # nothing else changes
         stats = h.server.statistics()
+        assert stats.refused_draining == 1
         assert stats.cancelled.get("user") == 1
         assert stats.outcomes.get("aborted") == 1
         assert stats.undelivered == 1
@@ -744,6 +753,10 @@ async def test_descriptions_tell_the_containment_the_workers_applied() -> None:
             if report.active("readonly_fs") or report.active("landlock"):
                 assert "filesystem read-only" in tool["description"]
             assert "stopped after 12 s" in tool["description"]
+            assert server.cancel_all() == 0
+            for bad in ({"kind": "timeout"}, {"kind": "nope"}, "user", {"kind": "user", "x": 1}):
+                with pytest.raises((ValueError, TypeError)):
+                    server.cancel_all(bad)  # type: ignore[arg-type]
         finally:
             server.close()
 

@@ -268,6 +268,10 @@ class McpServer:
         "disposed"}``; default ``disposed``), escalating as the pool does (``force``: SIGKILL
         at once). The first cause of a call wins. Returns how many calls were in flight."""
         accepted = _DISPOSED if cause is None else validate_cause(cause, allow_runtime=True)
+        if accepted.kind == "timeout":
+            raise ValueError(
+                "a call's deadline is the pool's own: cancel with user, parent or disposed"
+            )
         for tracked in list(self._tracked.values()):
             self._cancel(tracked, accepted, force=force)
         return len(self._tracked)
