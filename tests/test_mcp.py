@@ -6,7 +6,6 @@ pid and by a marker in a grandchild's argv."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import socket
@@ -154,9 +153,7 @@ async def _call_then(
 
 
 async def test_stdio_tools_calls_and_errors() -> None:
-    registry = toolpool.Registry  # (the catalog below is what the workers describe)
-    assert registry is not None
-    from tests.mcp_tools import registry as tools
+    from tests.mcp_tools import registry as tools  # what the workers serve
 
     async with _stdio("--workers", "1", "--timeout", "30") as (session, _):
         caps = session.server_capabilities
@@ -761,7 +758,26 @@ async def test_descriptions_tell_the_containment_the_workers_applied() -> None:
             server.close()
 
 
+def test_the_mcp_package_exports_and_says_when_the_extra_is_missing() -> None:
+    import toolpool.mcp as face
+
+    assert isinstance(face.__all__, tuple)
+    for name in face.__all__:
+        obj = getattr(face, name)
+        if isinstance(obj, type) or callable(obj):
+            assert obj.__module__ == "toolpool.mcp", name
+    code = (
+        "import sys; sys.modules['mcp'] = None\n"
+        "import toolpool.mcp\n"
+        "try:\n    toolpool.mcp.McpServer\n"
+        "except ImportError as exc:\n    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "pip install 'toolpool[mcp]'" in done.stdout
+
+
 def test_importing_toolpool_does_not_import_the_sdk() -> None:
     code = "import sys, toolpool; toolpool.Pool; assert 'mcp' not in sys.modules, 'mcp'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-    logging.getLogger(__name__).debug("ok")
