@@ -653,6 +653,7 @@ async def test_http_garbage_oversized_unknown_and_origin_are_refused_others_serv
         big = b'{"jsonrpc":"2.0","id":3,"method":"ping","params":{"x":"' + b"a" * 70000 + b'"}}'
         oversized = await client.post(h.url, content=big, headers=headers)
         assert oversized.status_code == 413
+        assert oversized.json()["error"]["code"] == -32600
         unknown = await client.post(
             h.url, json={"jsonrpc": "2.0", "id": 4, "method": "no/such"}, headers=headers
         )
