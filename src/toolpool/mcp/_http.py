@@ -4,12 +4,13 @@ What guards the endpoint, outermost first:
 
 - a **bearer token** when one is configured: ``Authorization: Bearer <token>``, compared in
   constant time; anything else is ``401`` with ``WWW-Authenticate: Bearer``;
+- a **body limit** (POST): an oversized body is answered ``413`` with a JSON-RPC error,
+  read no further;
 - the SDK's **DNS-rebinding protection**: the ``Host`` and ``Origin`` headers must be among
   the allowed ones (loopback by default; a request without ``Origin``, as non-browser clients
   send, passes the origin check);
-- a **body limit**: an oversized body is answered ``413`` with a JSON-RPC error, read no
-  further; then the SDK's JSON-RPC validation: a malformed message is answered with a
-  JSON-RPC error on its own request; other sessions are untouched.
+- the SDK's JSON-RPC validation: a malformed message is answered with a JSON-RPC error on
+  its own request; other sessions are untouched.
 
 A client that closes a request's response stream before the answer is cancelling that call:
 on the 2025 wire the SDK does not tell the handler, so the guard notices the disconnect (the
