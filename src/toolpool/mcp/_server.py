@@ -144,6 +144,33 @@ class _LowLevel(Server[Any]):
         return options
 
 
+class _AnswerWatch:
+    """The write side of a stream transport, noting each request answered: a drain stops
+    serving only once the answers of the calls it settled are written (the SDK writes an
+    answer after its handler returned; stopping in between would lose it)."""
+
+    def __init__(self, stream: Any, pending: set[Any], written: Callable[[], None]) -> None:
+        self._stream = stream
+        self._pending = pending
+        self._written = written
+
+    async def send(self, item: Any) -> None:
+        await self._stream.send(item)
+        message = getattr(item, "message", None)
+        if isinstance(message, types.JSONRPCResponse | types.JSONRPCError):
+            self._pending.discard(message.id)
+            self._written()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def __aenter__(self) -> _AnswerWatch:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
 class McpServer:
     """A pool's tools over the Model Context Protocol.
 
@@ -190,6 +217,9 @@ class McpServer:
         self._tracked: dict[Call, _Tracked] = {}
         self._handlers = 0
         self._idle: anyio.Event | None = None
+        # Over a stream transport: requests whose handler returned, answer not yet written.
+        self._unwritten: set[Any] | None = None
+        self._written: anyio.Event | None = None
         self._draining = False
         self._tg: anyio.abc.TaskGroup | None = None
         self._connections: dict[int, Any] = {}  # id(connection) -> its latest session
@@ -360,6 +390,8 @@ class McpServer:
         self, read: Any, write: Any, handle_signals: bool, watch_parent: bool
     ) -> None:
         serving = anyio.CancelScope()
+        self._unwritten = set()
+        write = _AnswerWatch(write, self._unwritten, self._answer_written)
         async with anyio.create_task_group() as tg:
             if handle_signals:
                 tg.start_soon(self._on_signals, serving)
@@ -389,7 +421,20 @@ class McpServer:
         self.begin_drain()
         self.cancel_all(_DISPOSED)
         await self.wait_idle()
+        await self._answers_written()
         serving.cancel()
+
+    def _answer_written(self) -> None:
+        if not self._unwritten and self._written is not None:
+            self._written.set()
+
+    async def _answers_written(self) -> None:
+        """Until the answers of the requests handled so far are written (at most 5 s: a
+        transport that no longer writes cannot hold the stop up)."""
+        with anyio.move_on_after(5):
+            while self._unwritten:
+                self._written = anyio.Event()
+                await self._written.wait()
 
     async def _watch_parent(self, serving: anyio.CancelScope) -> None:
         """The client that started us died (our parent changed): as stdin closed."""
@@ -550,6 +595,12 @@ class McpServer:
         self._handlers += 1
         try:
             result = await self._settled(ctx, tracked)
+            if (
+                self._unwritten is not None
+                and ctx.request_id is not None
+                and not _peer_cancelled(ctx)  # (the SDK answers no cancelled request)
+            ):
+                self._unwritten.add(ctx.request_id)  # the SDK writes it once we return
             gone = _disconnected(ctx)
             tracked.delivered = not (gone is not None and gone.is_set()) and not _peer_cancelled(
                 ctx
