@@ -273,7 +273,14 @@ async def serve_http(
             bound = sock.getsockname()[1]
             shown = f"[{host.strip('[]')}]" if ":" in host else host
             url = f"http://{shown}:{bound}/mcp"
-            config = uvicorn.Config(app, lifespan="on", log_level="warning", access_log=False)
+            # Drained first (below): then open streams (a client's GET stream) get 5 s.
+            config = uvicorn.Config(
+                app,
+                lifespan="on",
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=5,
+            )
             uv = _Uvicorn(config, server)
             if on_ready is not None:
                 on_ready(url)
