@@ -98,6 +98,21 @@ def _logging_to_stderr(level: str) -> Iterator[None]:
         log.propagate = saved[1]
 
 
+def _add_grace_options(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument(
+        "--cancel-grace",
+        type=float,
+        default=5.0,
+        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
+    )
+    cmd.add_argument(
+        "--term-grace",
+        type=float,
+        default=2.0,
+        help="seconds after SIGTERM before SIGKILL (default: 2)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -146,18 +161,7 @@ def _parser() -> argparse.ArgumentParser:
     call.add_argument(
         "--timeout", type=float, default=None, help="seconds before the call is cancelled"
     )
-    call.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    call.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
+    _add_grace_options(call)
     call.add_argument(
         "--output",
         nargs="?",
@@ -174,13 +178,77 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_profile_options(call, "default")
     _add_batch(sub)
-    for cmd in sub.choices.values():  # (after the subcommand too: `toolpool batch --log-level`)
-        _add_log_level(cmd, None)
+    _add_mcp(sub)
+    for name, cmd in sub.choices.items():  # (after the subcommand too: `batch --log-level`)
+        # `mcp`: stderr is the client's log of the server, what happened to each call.
+        _add_log_level(cmd, "info" if name == "mcp" else None)
     return parser
 
 
 #: How much of a tool's output ``toolpool call --output`` keeps by default.
 _CALL_OUTPUT = "1MiB"
+
+
+def _add_mcp(sub: Any) -> None:
+    mcp = sub.add_parser(
+        "mcp",
+        help="serve tools over the Model Context Protocol (stdio, or streamable HTTP)",
+        description="Serve the tools of each TOOLS registry (one provider each) over MCP: on "
+        "stdin/stdout by default, over streamable HTTP at http://HOST:PORT/mcp with --http. "
+        "A cancelled call is stopped as the pool stops calls, and confirmed only once its "
+        "process tree is gone. The client going away (stdin closed, client dead) cancels "
+        "every call (cause parent); SIGTERM or SIGINT drains (cause disposed). Needs the "
+        "'mcp' extra. See docs/mcp.md.",
+    )
+    mcp.add_argument("tools", nargs="+", metavar="TOOLS", help="module:attribute of a Registry")
+    mcp.add_argument("--workers", type=int, default=4, help="workers per provider (default: 4)")
+    mcp.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="serve streamable HTTP instead of stdio (loopback only unless --token-file)",
+    )
+    mcp.add_argument("--token-file", help="a file holding the bearer token HTTP clients must send")
+    mcp.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds a call may run, for tools whose provider sets no timeout",
+    )
+    _add_grace_options(mcp)
+    _add_profile_options(mcp, "default")
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--http takes HOST:PORT (e.g. 127.0.0.1:8000), not {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def _mcp(ns: argparse.Namespace) -> int:
+    from .mcp import _import
+
+    run = _import("_main").run
+    # stderr is the client's log of the server: what happened to each call (toolpool's
+    # loggers, at --log-level: info by default), and the warnings of the libraries under it.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
+    if ns.timeout is not None and not ns.timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {ns.timeout}")
+    return int(
+        anyio.run(
+            lambda: run(
+                ns.tools,
+                workers=ns.workers,
+                profile=_profile(ns),
+                timeout=ns.timeout,
+                cancel_grace=ns.cancel_grace,
+                term_grace=ns.term_grace,
+                http=_host_port(ns.http) if ns.http is not None else None,
+                token_file=ns.token_file,
+                say=say,
+            )
+        )
+    )
 
 
 def _add_batch(sub: Any) -> None:
@@ -232,18 +300,7 @@ def _add_batch(sub: Any) -> None:
     )
     batch.add_argument("--no-progress", action="store_true", help="no progress bar")
     batch.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    batch.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    batch.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
+    _add_grace_options(batch)
     _add_profile_options(batch, "default")
 
 
@@ -573,7 +630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # what stays in stdout's buffer goes nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-    except (ToolpoolError, ValueError, TypeError, ImportError) as exc:
+    except (ToolpoolError, ValueError, TypeError, ImportError, OSError) as exc:
         print(_message(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -594,4 +651,6 @@ def _run(ns: argparse.Namespace) -> int:
         return anyio.run(_selftest, ns)
     if ns.command == "batch":
         return _batch(ns)
+    if ns.command == "mcp":
+        return _mcp(ns)
     raise AssertionError(f"unhandled command {ns.command!r}")  # pragma: no cover
