@@ -104,7 +104,104 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_profile_options(call, "default")
     _add_batch(sub)
+    _add_service(sub)
     return parser
+
+
+def _add_service(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="run a pool as a service: MCP over HTTP, probes, metrics, a control socket",
+        description="Serve the tools of TOOLS (each [NAME=]module:attribute, one provider "
+        "each) or of --config over MCP streamable HTTP at /mcp, with /healthz, /readyz and "
+        "/metrics on the same listener, and a control socket for toolpool status, scale, "
+        "drain and reload. SIGTERM drains (a second SIGTERM forces); SIGHUP reloads the "
+        "tools. See docs/service.md.",
+    )
+    serve.add_argument("tools", nargs="*", metavar="TOOLS", help="[NAME=]module:attribute")
+    serve.add_argument(
+        "--config", help="a TOML file of providers ([providers.NAME] tools=, profile=, ...)"
+    )
+    serve.add_argument(
+        "--http",
+        default="127.0.0.1:8080",
+        metavar="HOST:PORT",
+        help="where to listen (default: 127.0.0.1:8080; a non-loopback host needs --token-file)",
+    )
+    size = serve.add_mutually_exclusive_group()
+    size.add_argument("--workers", type=int, default=4, help="workers per provider (default: 4)")
+    size.add_argument(
+        "--autoscale", metavar="MIN:MAX", help="let the pool size each provider in MIN..MAX"
+    )
+    serve.add_argument(
+        "--profile",
+        default="default",
+        choices=["default", "untrusted"],
+        help="containment profile of the TOOLS providers (default: default)",
+    )
+    serve.add_argument("--token-file", help="a file holding the bearer token callers must send")
+    serve.add_argument("--control", help="the control socket's path (default: see docs)")
+    serve.add_argument(
+        "--timeout", type=float, default=None, help="default seconds per call, for every tool"
+    )
+    serve.add_argument(
+        "--drain-grace",
+        type=float,
+        default=30.0,
+        help="seconds running calls get when draining, before they are cancelled (default: 30)",
+    )
+    serve.add_argument(
+        "--cancel-grace",
+        type=float,
+        default=5.0,
+        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
+    )
+    serve.add_argument(
+        "--term-grace",
+        type=float,
+        default=2.0,
+        help="seconds after SIGTERM before SIGKILL (default: 2)",
+    )
+    serve.add_argument(
+        "--log-format", choices=["text", "json"], default="text", help="stderr log lines"
+    )
+    serve.add_argument(
+        "--init",
+        choices=["auto", "never"],
+        default="auto",
+        help="auto (default): as PID 1 (a container), fork and stay behind as its init "
+        "(signals forwarded, orphans reaped)",
+    )
+
+    def control_cmd(name: str, text: str) -> argparse.ArgumentParser:
+        cmd: argparse.ArgumentParser = sub.add_parser(name, help=text, description=text)
+        cmd.add_argument("--control", help="the service's control socket (default: see docs)")
+        return cmd
+
+    status = control_cmd("status", "show a running service's state, providers and workers")
+    status.add_argument("--json", action="store_true", help="as one JSON object")
+    scale = control_cmd("scale", "resize a running service's provider (ends its autoscaling)")
+    scale.add_argument("workers", type=int, help="workers")
+    scale.add_argument("--provider", help="which provider (needed when there are several)")
+    drain = control_cmd(
+        "drain",
+        "drain a running service: not ready at once, new calls refused, running calls "
+        "finish or are cancelled after the grace; the service then exits",
+    )
+    drain.add_argument(
+        "--wait", action="store_true", help="return once every call settled and it stopped"
+    )
+    drain.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds running calls get before they are cancelled (default: the service's "
+        "--drain-grace)",
+    )
+    reload = control_cmd(
+        "reload", "reload a running service's tools (rolling: no call lost, none run twice)"
+    )
+    reload.add_argument("--provider", help="only this provider (default: every one)")
 
 
 def _add_batch(sub: Any) -> None:
@@ -250,6 +347,125 @@ async def _run_batch(options: Any, no_progress: bool, as_json: bool) -> int:
     if summary.interrupted:
         say("stopped: every call settled and every process of the pool is gone")
     return summary.exit_status
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from .serve import (
+        Service,
+        ServiceOptions,
+        configure_logging,
+        load_config,
+        parse_autoscale,
+        parse_tools,
+    )
+
+    if ns.config and ns.tools:
+        raise ValueError("give TOOLS or --config, not both")
+    if ns.config:
+        providers = load_config(ns.config)
+    elif ns.tools:
+        providers = parse_tools(
+            ns.tools,
+            profile=ns.profile,
+            workers=ns.workers,
+            autoscale=None if ns.autoscale is None else parse_autoscale(ns.autoscale),
+            timeout=ns.timeout,
+        )
+    else:
+        raise ValueError("nothing to serve: give TOOLS (module:attribute) or --config FILE")
+    host, sep, port = ns.http.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--http must be HOST:PORT, got {ns.http!r}")
+    token = None
+    if ns.token_file:
+        try:
+            with open(ns.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read {ns.token_file}: {exc.strerror}") from None
+        if not token:
+            raise ValueError(f"{ns.token_file} holds no token")
+    options = ServiceOptions(
+        providers=providers,
+        host=host.strip("[]"),
+        port=int(port),
+        token=token,
+        control=ns.control,
+        cancel_grace=ns.cancel_grace,
+        term_grace=ns.term_grace,
+        drain_grace=ns.drain_grace,
+        timeout=ns.timeout,
+    )
+    if ns.init == "auto" and os.getpid() == 1:
+        from .serve._init import become_init
+
+        status = become_init()
+        if status is not None:
+            return status
+    configure_logging(ns.log_format)
+    return anyio.run(Service(options).run)
+
+
+def _control(ns: argparse.Namespace) -> int:
+    from .serve import control, default_control_path
+
+    path = ns.control or default_control_path()
+    if ns.command == "status":
+        answer = control(path, {"op": "status"}, timeout=30)
+        answer.pop("ok", None)
+        if ns.json:
+            print(json.dumps(answer, indent=2))
+        else:
+            print(_status_text(answer))
+        return 0
+    if ns.command == "scale":
+        answer = control(
+            path, {"op": "scale", "workers": ns.workers, "provider": ns.provider}, timeout=None
+        )
+        print(f"{answer['provider']}: {answer['old']} -> {answer['workers']} workers")
+        return 0
+    if ns.command == "reload":
+        answer = control(path, {"op": "reload", "provider": ns.provider}, timeout=None)
+        for name, generation in answer["reloaded"].items():
+            print(f"{name}: reloaded (generation {generation})")
+        return 0
+    if ns.timeout is not None and ns.timeout < 0:
+        raise ValueError("--timeout must be 0 or more seconds")
+    answer = control(path, {"op": "drain", "wait": ns.wait, "timeout": ns.timeout}, timeout=None)
+    print("stopped" if ns.wait else f"draining ({answer['state']})")
+    return 0
+
+
+def _status_text(s: Mapping[str, Any]) -> str:
+    lines = [
+        f"state: {s['state']}  ready: {'yes' if s['ready'] else 'no'}  pid: {s['pid']}  "
+        f"up {s['uptime_s']:.0f}s",
+        f"listen: {s['listen']}  control: {s['control']}",
+    ]
+    if "in_flight" in s:
+        lines.append(
+            f"calls: {s['in_flight']} running, {s['queued']} queued, {s['submitted']} submitted"
+        )
+    rows = [("provider", "profile", "size", "workers", "running", "queued", "tools")]
+    for name, p in s["providers"].items():
+        workers = ", ".join(f"{n} {k}" for k, n in sorted(p["workers"].items()) if n)
+        size = str(p["size"])
+        if p["autoscale"]:
+            size += " ({}..{})".format(*p["autoscale"])
+        rows.append(
+            (
+                name,
+                p["profile"],
+                size,
+                workers or "-",
+                str(p["in_flight"]),
+                str(p["queued"]),
+                ", ".join(p["tools"]),
+            )
+        )
+    if len(rows) > 1:
+        lines += ["", _table(rows, wrap={6: _OBSERVED_WIDTH})]
+    return "\n".join(lines)
 
 
 def _demo() -> int:
@@ -429,4 +645,8 @@ def _run(ns: argparse.Namespace) -> int:
         return anyio.run(_selftest, ns)
     if ns.command == "batch":
         return _batch(ns)
+    if ns.command == "serve":
+        return _serve(ns)
+    if ns.command in ("status", "scale", "drain", "reload"):
+        return _control(ns)
     raise AssertionError(f"unhandled command {ns.command!r}")  # pragma: no cover
