@@ -645,34 +645,49 @@ def _log_event(event: PoolEvent) -> None:
 def _metrics_registry(pool: Pool, service: Service) -> Any:
     """A registry of the pool's metrics and the service's own (``toolpool_service_*``)."""
     from prometheus_client import CollectorRegistry
-    from prometheus_client.core import GaugeMetricFamily
 
     from .. import metrics
 
     registry = CollectorRegistry(auto_describe=True)
     metrics.register(pool, registry)
+    registry.register(ServiceCollector(service))
+    return registry
 
-    class ServiceCollector:
-        def describe(self) -> list[Any]:
-            return list(self.collect())
 
-        def collect(self) -> list[Any]:
-            state = GaugeMetricFamily(
+class ServiceCollector:
+    """The service's own metrics: its state, and how busy its workers are (what an
+    autoscaler reads: ``deploy/kubernetes/hpa.yaml``)."""
+
+    def __init__(self, service: Service) -> None:
+        self._service = service
+
+    def describe(self) -> list[Any]:
+        return self._families()
+
+    def collect(self) -> list[Any]:
+        state, busy = self._families()
+        service = self._service
+        for s in ("starting", "serving", "draining", "stopped"):
+            state.add_metric([s], 1.0 if service.state == s else 0.0)
+        pool = service._pool
+        stats: Mapping[str, int] = pool.statistics().workers if pool is not None else {}
+        serving = sum(stats.get(s, 0) for s in _SERVING)
+        busy.add_metric([], stats.get("busy", 0) / serving if serving else 0.0)
+        return [state, busy]
+
+    @staticmethod
+    def _families() -> list[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        return [
+            GaugeMetricFamily(
                 "toolpool_service_state",
                 "1 for the state the service is in (starting, serving, draining, stopped)",
                 labels=["state"],
-            )
-            for s in ("starting", "serving", "draining", "stopped"):
-                state.add_metric([s], 1.0 if service.state == s else 0.0)
-            busy = GaugeMetricFamily(
+            ),
+            GaugeMetricFamily(
                 "toolpool_service_busy_ratio",
                 "busy workers / workers that serve (ready, busy, cleaning), over every "
                 "provider; 0 when none serves",
-            )
-            stats: Mapping[str, int] = pool.statistics().workers if service._pool else {}
-            serving = sum(stats.get(s, 0) for s in _SERVING)
-            busy.add_metric([], stats.get("busy", 0) / serving if serving else 0.0)
-            return [state, busy]
-
-    registry.register(ServiceCollector())
-    return registry
+            ),
+        ]
