@@ -5,6 +5,7 @@ listening."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -45,6 +46,10 @@ async def draining() -> CallToolResult:
 @app.tool()
 async def slow(ctx: Context, seconds: float = 60.0, progress: bool = False) -> CallToolResult:
     """Say the body started (progress) if asked, then sleep."""
+    ledger = os.environ.get("TOOLPOOL_TEST_LEDGER")
+    if ledger:
+        with open(ledger, "a") as f:
+            f.write(f"start {os.getpid()}\n")
     if progress:
         await ctx.report_progress(1, 2, "started")
     await anyio.sleep(seconds)

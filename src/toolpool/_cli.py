@@ -215,12 +215,32 @@ def _add_batch(sub: Any) -> None:
         "them. Exit 0 if every record is ok, 1 if not or a line was rejected, 2 on a usage "
         "error, 130 if interrupted. See docs/batch.md.",
     )
-    batch.add_argument("spec", help="module:attribute naming a toolpool.Registry")
-    batch.add_argument("input", help="the input file, one JSON object per line")
+    batch.add_argument(
+        "spec",
+        metavar="TOOLS",
+        help="module:attribute naming a toolpool.Registry (not with --server)",
+    )
+    batch.add_argument(
+        "input", nargs="?", metavar="INPUT", help="the input file, one JSON object per line"
+    )
+    batch.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="send the calls to this toolpool service's MCP endpoint (http://host:port/mcp) "
+        "instead of running a pool here; repeat for several (then give no TOOLS)",
+    )
+    batch.add_argument("--token-file", help="a file holding the bearer token for --server")
     batch.add_argument(
         "-o", "--output", required=True, help="the results file (appended to; resumed from)"
     )
-    batch.add_argument("--workers", type=int, default=4, help="worker processes (default: 4)")
+    batch.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes (default: 4); with --server, calls in flight (default: 64)",
+    )
     batch.add_argument(
         "--timeout",
         type=float,
@@ -309,6 +329,20 @@ async def _call(ns: argparse.Namespace) -> int:
 def _batch(ns: argparse.Namespace) -> int:
     from ._batch import BatchOptions
 
+    if ns.server:
+        if ns.input is not None:
+            raise ValueError("with --server, give INPUT only (the services have the tools)")
+        ns.input, ns.spec = ns.spec, ""
+        for url in ns.server:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--server must be an http(s)://host:port/mcp URL, got {url!r}")
+    elif ns.input is None:
+        raise ValueError("give TOOLS and INPUT (or --server URL and INPUT)")
+    if ns.workers is None:
+        ns.workers = 64 if ns.server else 4
+    if ns.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {ns.workers}")
+    token = _read_token(ns.token_file) if ns.token_file else None
     if ns.retries < 0:
         raise ValueError(f"--retries must be 0 or more, got {ns.retries}")
     if ns.timeout is not None and not ns.timeout > 0:
@@ -330,8 +364,21 @@ def _batch(ns: argparse.Namespace) -> int:
         idempotent=ns.idempotent,
         cancel_grace=ns.cancel_grace,
         term_grace=ns.term_grace,
+        servers=tuple(ns.server),
+        token=token,
     )
     return anyio.run(_run_batch, options, ns.no_progress, ns.json)
+
+
+def _read_token(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    if not token:
+        raise ValueError(f"{path} holds no token")
+    return token
 
 
 async def _run_batch(options: Any, no_progress: bool, as_json: bool) -> int:
@@ -376,15 +423,7 @@ def _serve(ns: argparse.Namespace) -> int:
     host, sep, port = ns.http.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"--http must be HOST:PORT, got {ns.http!r}")
-    token = None
-    if ns.token_file:
-        try:
-            with open(ns.token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read {ns.token_file}: {exc.strerror}") from None
-        if not token:
-            raise ValueError(f"{ns.token_file} holds no token")
+    token = _read_token(ns.token_file) if ns.token_file else None
     options = ServiceOptions(
         providers=providers,
         host=host.strip("[]"),

@@ -54,7 +54,7 @@ class BatchOptions:
     """What ``toolpool batch`` was asked to do."""
 
     tools: str
-    """``module:attribute`` naming the Registry."""
+    """``module:attribute`` naming the Registry ("" with :attr:`servers`)."""
     input: str
     """The input file: one JSON object per line."""
     output: str
@@ -69,6 +69,11 @@ class BatchOptions:
     idempotent: bool = False
     cancel_grace: float = 5.0
     term_grace: float = 2.0
+    servers: tuple[str, ...] = ()
+    """MCP endpoints of toolpool services to send the calls to, instead of a pool of this
+    process's own; :attr:`workers` is then how many calls are in flight at once."""
+    token: str | None = None
+    """The bearer token for :attr:`servers`."""
 
 
 @dataclass
@@ -245,13 +250,20 @@ class Batch:
         self, stream: BinaryIO, results: ResultsFile, tg: anyio.abc.TaskGroup
     ) -> None:
         options = self.options
-        async with Pool(
-            options.tools,
-            workers=options.workers,
-            profile=options.profile,
-            cancel_grace=options.cancel_grace,
-            term_grace=options.term_grace,
-        ) as pool:
+        backend: Any
+        if options.servers:
+            from ._remote import RemotePool
+
+            backend = RemotePool(options.servers, token=options.token, concurrency=options.workers)
+        else:
+            backend = Pool(
+                options.tools,
+                workers=options.workers,
+                profile=options.profile,
+                cancel_grace=options.cancel_grace,
+                term_grace=options.term_grace,
+            )
+        async with backend as pool:
             self._pool = pool
             self._known_rejections = results.previous.rejections
             if self._stopping:
@@ -290,6 +302,9 @@ class Batch:
         # window is MAX_WINDOW; once one has, it is what every worker runs and holds
         # (Pool(prefetch=...)) plus QUEUE_FOR seconds of calls at the rate they settle.
         base = self.options.workers * (pool.prefetch + 2)
+        if self.options.servers:  # (calls in flight over the network: the window is all)
+            base = self.options.workers
+            self._timeouts = True
         window = base  # (while a timeout is in play)
         pending = self._pending
         summary = self.summary
@@ -344,7 +359,7 @@ class Batch:
             settled_since += len(settled)
             now = time.monotonic()
             if now - measured_at >= RATE_EVERY:
-                if self._timeouts:
+                if self._timeouts and not self.options.servers:
                     rate = settled_since / (now - measured_at)
                     window = max(base, min(MAX_WINDOW, int(rate * QUEUE_FOR)))
                 measured_at, settled_since = now, 0
@@ -403,7 +418,16 @@ class Batch:
             del self._groups[job.group]
 
     def _settled(self, pool: Pool, call: Call, job: Job) -> None:
-        result = call.result()
+        try:
+            result = call.result()
+        except ToolpoolError as exc:  # (remote: no server took the call; it never ran)
+            if self.summary.error is None:
+                self.summary.error = f"{type(exc).__name__}: {exc}"
+                self._say(f"stopping: {self.summary.error}")
+            self._stopping = True
+            self._release(job)
+            self.summary.not_recorded += 1
+            return
         outcome = result.outcome
         if (
             outcome in RETRIED
