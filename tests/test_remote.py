@@ -126,7 +126,7 @@ async def test_cancel_travels_as_the_mcp_cancel(
     """A server that does not answer a cancelled request (the plain SDK's) leaves the outcome
     unknown: said so, never guessed."""
     url, _ = server
-    async with toolpool.connect(url, settle_timeout=5) as client:
+    async with toolpool.connect(url) as client:
         call = client.submit("slow", {"seconds": 60, "progress": True})
         while call.body_started is None:
             await anyio.sleep(0.01)

@@ -11,14 +11,20 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import anyio
+import anyio.to_thread
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serve_support import ServeProcess, serve_env
+from toolpool import Outcome, connect
+from toolpool.remote import ServerUnavailable
 from toolpool.serve import ProviderConfig, ServiceOptions, load_config, parse_tools
 
 pytestmark = pytest.mark.timeout(180)
@@ -372,3 +378,217 @@ def test_as_pid_1_signals_are_handled_and_orphans_reaped(
     assert s.wait(60) == 0, "\n".join(s.raw[-30:])
     assert s.alive_descendants() == []
     assert [line["event"] for line in s.lines][-1] == "stopped"
+
+
+# ---------------------------------------------------------------------------- with calls
+
+
+def _ledger(path: Path) -> list[list[str]]:
+    return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_started(path: Path, ids: set[str], timeout: float = 60.0) -> None:
+    """Until the tools noted the start of every id (another process's file: polled)."""
+    deadline = time.monotonic() + timeout
+    while not ids <= {line[1] for line in _ledger(path) if line[0] == "start"}:
+        assert time.monotonic() < deadline, f"not started: {ids}; ledger: {_ledger(path)}"
+        time.sleep(0.02)
+
+
+def _calls(url: str, requests: list[tuple[str, dict[str, object]]], *, during: Any = None) -> Any:
+    """Send the calls (and run ``during(calls)`` in a thread while they run); the results,
+    or the exception each raised."""
+
+    async def main() -> list[Any]:
+        async with connect(url) as client:
+            calls = [client.submit(tool, args) for tool, args in requests]
+            if during is not None:
+                await anyio.to_thread.run_sync(during, calls)
+            out: list[Any] = []
+            for call in calls:
+                try:
+                    out.append(await call)
+                except Exception as exc:
+                    out.append(exc)
+            return out
+
+    return anyio.run(main)
+
+
+@pytest.fixture
+def face() -> None:
+    pytest.importorskip("toolpool.mcp", reason="the MCP face (issue 23) is not on this branch")
+
+
+@pytest.mark.usefixtures("face")
+def test_sigterm_drains_running_calls_per_the_graces(
+    tmp_path: Path, control: str, services: list[ServeProcess]
+) -> None:
+    ledger = tmp_path / "ledger"
+    s = start(
+        services,
+        control,
+        "serve_tools:registry",
+        "--workers",
+        "3",
+        "--drain-grace",
+        "3",
+        "--cancel-grace",
+        "1",
+        "--term-grace",
+        "1",
+        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
+    )
+    s.wait_serving()
+    refused: list[Any] = []
+
+    def during(calls: list[Any]) -> None:
+        _wait_started(ledger, {"quick", "stuck"})
+        s.note_descendants()
+        s.signal(signal.SIGTERM)
+        s.wait_event("draining")
+        status, body = s.get("/readyz")
+        assert status == 503
+        assert json.loads(body)["state"] == "draining"
+        assert s.get("/healthz")[0] == 200
+
+        async def late() -> None:
+            async with connect(s.url("/mcp")) as client:
+                try:
+                    await client.call("noop")
+                except ServerUnavailable as exc:
+                    refused.append(exc)
+
+        anyio.run(late)
+
+    quick, stuck = _calls(
+        s.url("/mcp"),
+        [("work", {"id": "quick", "seconds": 1.0}), ("stubborn", {"id": "stuck"})],
+        during=during,
+    )
+    assert len(refused) == 1
+    assert "draining" in str(refused[0])
+    assert quick.outcome is Outcome.OK  # finished within the drain grace
+    assert stuck.outcome is Outcome.KILLED  # ignored the disposed cancel: SIGTERM
+    assert stuck.body_started is True
+    assert s.wait(60) == 0
+    assert s.alive_descendants() == []
+    events = {line["event"]: line for line in s.lines}
+    assert events["drain_grace_over"]["in_flight"] == 1
+    starts = [line for line in _ledger(ledger) if line[0] == "start"]
+    assert sorted(line[1] for line in starts) == ["quick", "stuck"]  # nothing ran twice
+
+
+@pytest.mark.usefixtures("face")
+def test_a_second_sigterm_forces(
+    tmp_path: Path, control: str, services: list[ServeProcess]
+) -> None:
+    ledger = tmp_path / "ledger"
+    s = start(
+        services,
+        control,
+        "serve_tools:registry",
+        "--workers",
+        "1",
+        "--drain-grace",
+        "60",
+        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
+    )
+    s.wait_serving()
+
+    def during(calls: list[Any]) -> None:
+        _wait_started(ledger, {"stuck"})
+        s.note_descendants()
+        s.signal(signal.SIGTERM)
+        s.wait_event("draining")
+        s.signal(signal.SIGTERM)
+        s.wait_event("forced")
+
+    started = time.monotonic()
+    (stuck,) = _calls(s.url("/mcp"), [("stubborn", {"id": "stuck"})], during=during)
+    assert stuck.outcome is Outcome.KILLED
+    assert stuck.rung.value == "sigkill"
+    assert time.monotonic() - started < 50  # not the 60 s drain grace
+    assert s.wait(60) == 0
+    assert s.alive_descendants() == []
+
+
+@pytest.mark.usefixtures("face")
+def test_sighup_reload_under_load_loses_nothing_and_runs_nothing_twice(
+    tmp_path: Path, control: str, services: list[ServeProcess]
+) -> None:
+    ledger = tmp_path / "ledger"
+    s = start(
+        services,
+        control,
+        "serve_tools:registry",
+        "--workers",
+        "2",
+        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
+    )
+    s.wait_serving()
+    ids = [f"c{i}" for i in range(150)]
+
+    def during(calls: list[Any]) -> None:
+        _wait_started(ledger, {"c10"})
+        s.signal(signal.SIGHUP)
+        s.wait_event("reloaded", generation=2)
+
+    results = _calls(
+        s.url("/mcp"), [("work", {"id": i, "seconds": 0.02}) for i in ids], during=during
+    )
+    assert [r.outcome for r in results] == [Outcome.OK] * len(ids)
+    assert [r.value for r in results] == ids
+    starts = [line[1] for line in _ledger(ledger) if line[0] == "start"]
+    assert sorted(starts) == sorted(ids)  # each exactly once
+    pids = {line[2] for line in _ledger(ledger) if line[0] == "start"}
+    assert len(pids) > 2  # both generations served
+    stop_and_check(s)
+
+
+@pytest.mark.usefixtures("face")
+def test_as_pid_1_sigterm_drains_running_calls(
+    tmp_path: Path, control: str, services: list[ServeProcess]
+) -> None:
+    ledger = tmp_path / "ledger"
+    argv = [
+        *_unshare(),
+        sys.executable,
+        "-m",
+        "toolpool",
+        "serve",
+        "serve_tools:registry",
+        "--workers",
+        "2",
+        "--drain-grace",
+        "2",
+        "--cancel-grace",
+        "1",
+        "--term-grace",
+        "1",
+        "--http",
+        "127.0.0.1:0",
+        "--log-format",
+        "json",
+        "--control",
+        control,
+    ]
+    s = start(services, control, argv=argv, env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)))
+    s.wait_serving()
+    init = psutil.Process(s.proc.pid).children()[0]
+
+    def during(calls: list[Any]) -> None:
+        _wait_started(ledger, {"quick", "stuck"})
+        s.note_descendants()
+        init.send_signal(signal.SIGTERM)  # what a container runtime does to PID 1
+        s.wait_event("draining")
+
+    quick, stuck = _calls(
+        s.url("/mcp"),
+        [("work", {"id": "quick", "seconds": 0.5}), ("stubborn", {"id": "stuck"})],
+        during=during,
+    )
+    assert quick.outcome is Outcome.OK
+    assert stuck.outcome is Outcome.KILLED
+    assert s.wait(60) == 0
+    assert s.alive_descendants() == []

@@ -140,6 +140,14 @@ def _add_service(sub: Any) -> None:
         help="containment profile of the TOOLS providers (default: default)",
     )
     serve.add_argument("--token-file", help="a file holding the bearer token callers must send")
+    serve.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host name callers use (any port), besides loopback and the listening "
+        "address: /mcp refuses others (DNS-rebinding protection); repeat for several",
+    )
     serve.add_argument("--control", help="the control socket's path (default: see docs)")
     serve.add_argument(
         "--timeout", type=float, default=None, help="default seconds per call, for every tool"
@@ -434,6 +442,7 @@ def _serve(ns: argparse.Namespace) -> int:
         term_grace=ns.term_grace,
         drain_grace=ns.drain_grace,
         timeout=ns.timeout,
+        allowed_hosts=tuple(ns.allowed_host),
     )
     if ns.init == "auto" and os.getpid() == 1:
         from .serve._init import become_init

@@ -14,12 +14,13 @@ What the client can and cannot know, said the same way the pool says it:
 - **Lost** (the connection dropped after the request was sent, a gateway answered 502/504):
   the call settles ``worker_lost`` with ``body_started`` None, unless the server had said the
   body started (a progress notification comes only from a running body): then True.
-- **Cancelled** (:meth:`RemoteCall.cancel`): the MCP cancel (``notifications/cancelled``)
-  goes to the server, and the client keeps waiting for the final state on the call's own
-  stream. A server that answers it (the final outcome, once the call settled) gives the real
-  outcome; one that closes the stream unanswered, as the specification lets it, leaves the
-  outcome unknown: the call settles ``error`` named ``CancelUnconfirmed``, ``body_started``
-  None.
+- **Cancelled** (:meth:`RemoteCall.cancel`): the MCP cancel. On the 2026-07-28 HTTP wire a
+  request is cancelled by closing its response stream (toolpool's face then cancels the call
+  and tracks it until its tree is gone); the client also sends ``notifications/cancelled``
+  for servers that read it. A cancelled request is not answered (the specification says so),
+  so the client cannot know how the call ended: it settles ``error`` named
+  ``CancelUnconfirmed``, ``body_started`` True if the server had said the body runs, else
+  None (an answer that arrived before the stream closed is used instead).
 """
 
 from __future__ import annotations
@@ -130,15 +131,12 @@ class Client:
         token: str | None = None,
         max_connections: int = 100,
         connect_timeout: float = 10.0,
-        settle_timeout: float = 60.0,
     ) -> None:
         """
         :param url: the service's MCP endpoint, ``http://host:port/mcp``.
         :param token: the bearer token, where the service wants one.
         :param max_connections: calls in flight at once over this client (one connection each).
         :param connect_timeout: seconds to get a connection; after it the call was never sent.
-        :param settle_timeout: after a cancel, seconds to wait for the server's final answer
-            before the call settles ``CancelUnconfirmed``.
         """
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be http(s)://host:port/mcp, got {url!r}")
@@ -146,7 +144,6 @@ class Client:
         self._token = token
         self._max = max_connections
         self._connect_timeout = connect_timeout
-        self._settle_timeout = settle_timeout
         self._ids = itertools.count(1)
         self._http: Any = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -351,8 +348,8 @@ class Client:
         return self._from_message(call, message)
 
     async def _cancel_when_asked(self, call: RemoteCall, waiting: anyio.CancelScope) -> None:
-        """Send the MCP cancel once asked; stop waiting for the answer ``settle_timeout``
-        seconds later."""
+        """Once asked: send ``notifications/cancelled``, then close the call's response stream
+        (the 2026-07-28 HTTP spelling of the cancel)."""
         import httpx2
 
         await call._cancel_sent.wait()
@@ -366,8 +363,7 @@ class Client:
                 self.url, content=body, headers=self._headers("notifications/cancelled", None)
             )
         except httpx2.TransportError:
-            pass  # (the call's own stream tells what became of it)
-        await anyio.sleep(self._settle_timeout)
+            pass  # (closing the stream below is the cancel that counts)
         waiting.cancel()
 
     def _from_message(self, call: RemoteCall, message: Mapping[str, Any]) -> Result:
@@ -446,7 +442,6 @@ def connect(
     token: str | None = None,
     max_connections: int = 100,
     connect_timeout: float = 10.0,
-    settle_timeout: float = 60.0,
 ) -> Client:
     """A :class:`Client` of the toolpool service at ``url`` (``http://host:port/mcp``):
     ``async with toolpool.connect(url, token=...) as client: await client.call(...)``."""
@@ -455,7 +450,6 @@ def connect(
         token=token,
         max_connections=max_connections,
         connect_timeout=connect_timeout,
-        settle_timeout=settle_timeout,
     )
 
 

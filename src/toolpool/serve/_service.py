@@ -25,7 +25,7 @@ from typing import Any, Final, Literal, Protocol, final
 import anyio
 import anyio.abc
 
-from ..core import CancelCause, ToolpoolError
+from ..core import ToolpoolError
 from ..supervisor import (
     Pool,
     PoolEvent,
@@ -46,7 +46,6 @@ ServiceState = Literal["starting", "serving", "draining", "stopped"]
 
 #: Worker states in which a worker serves calls (``/readyz``).
 _SERVING: Final = ("ready", "busy", "cleaning")
-_DISPOSED: Final = CancelCause("disposed")
 #: Seconds the listener gives open connections to finish their answers once every call has
 #: settled (each call's answer is written by then: this is for slow readers).
 _HTTP_SHUTDOWN_GRACE: Final = 5.0
@@ -55,20 +54,30 @@ _HTTP_SHUTDOWN_GRACE: Final = 5.0
 class Face(Protocol):
     """What the service needs of the MCP face (``toolpool.mcp.McpServer``)."""
 
-    def asgi_app(self, **options: Any) -> AsgiApp:
-        """The streamable HTTP app, to mount at ``/mcp``."""
+    def asgi_app(
+        self,
+        *,
+        token: str | None = ...,
+        allowed_origins: list[str] | None = ...,
+        allowed_hosts: list[str] | None = ...,
+    ) -> AsgiApp:
+        """The streamable HTTP app at ``/mcp``; its lifespan runs the face."""
         ...
 
     def begin_drain(self) -> None:
         """New calls are answered "draining" from now on."""
         ...
 
-    def cancel_all(self, cause: Any) -> None:
-        """Cancel every call in flight with ``cause``."""
+    def cancel_all(self, cause: Mapping[str, str] | None = ..., *, force: bool = ...) -> int:
+        """Cancel every call in flight with ``cause`` (``force``: SIGKILL at once)."""
+        ...
+
+    def close(self) -> None:
+        """Stop mirroring the pool."""
         ...
 
 
-FaceFactory = Callable[[Pool, "ServiceOptions"], Face | None]
+FaceFactory = Callable[[Pool, "ServiceOptions"], "Face | None"]
 
 
 @final
@@ -90,6 +99,9 @@ class ServiceOptions:
     reloaded or shrunk), before a ``disposed`` cancel and the ladder."""
     timeout: float | None = None
     """The default timeout of a call through the face (a tool's own metadata may say)."""
+    allowed_hosts: tuple[str, ...] = ()
+    """``Host`` header values ``/mcp`` accepts besides loopback and the listening address
+    (DNS-rebinding protection): the names callers use, e.g. a Kubernetes Service's."""
 
     def __post_init__(self) -> None:
         if not self.providers:
@@ -126,11 +138,25 @@ def is_loopback(host: str) -> bool:
 
 def _load_face(pool: Pool, options: ServiceOptions) -> Face | None:
     try:
-        from ..mcp import McpServer  # type: ignore[import-not-found,attr-defined,unused-ignore]
-    except ImportError:
+        from ..mcp import McpServer  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:  # (until the MCP face, issue 23, is merged: /mcp answers 404)
+        lifecycle(
+            "no_face", "toolpool.mcp is not there: /mcp is not served", level=logging.WARNING
+        )
         return None
     face: Face = McpServer(pool, timeout=options.timeout)
     return face
+
+
+def _hosts(options: ServiceOptions) -> list[str]:
+    """What ``/mcp`` accepts as ``Host``: loopback, the address it listens on, and the
+    names given (each with any port)."""
+    names = ["127.0.0.1", "localhost", "[::1]"]
+    host = options.host
+    if host not in ("0.0.0.0", "::") and not is_loopback(host):
+        names.append(f"[{host}]" if ":" in host else host)
+    names += list(options.allowed_hosts)
+    return [form for name in names for form in (name, f"{name}:*")]
 
 
 class Service:
@@ -282,7 +308,8 @@ class Service:
         lifecycle("forced", "forced: every call still running is killed now (SIGKILL)")
         if self._grace_scope is not None:
             self._grace_scope.cancel()
-        _kill_every_call(self._pool)
+        if self._face is not None and self._state == "draining":
+            self._face.cancel_all({"kind": "disposed"}, force=True)
 
     async def wait_stopped(self) -> None:
         """Return once the service stopped (every call settled, every tree gone)."""
@@ -399,7 +426,12 @@ class Service:
         self._face = self._face_factory(pool, options)
         mcp_app = None
         if self._face is not None:
-            mcp_app = self._face.asgi_app(token=options.token)
+            hosts = _hosts(options)
+            mcp_app = self._face.asgi_app(
+                token=options.token,
+                allowed_hosts=hosts,
+                allowed_origins=[f"http://{h}" for h in hosts],
+            )
         self._metrics = _metrics_registry(pool, self)
         http = _Listener(ServiceApp(self, mcp_app), listener)
         tg.start_soon(http.serve)
@@ -429,12 +461,12 @@ class Service:
                 await asked.wait()
                 await self._let_calls_finish(pool)
                 if self._face is not None:
-                    self._face.cancel_all(_DISPOSED)
-                if self._forced:
-                    _kill_every_call(pool)
+                    self._face.cancel_all({"kind": "disposed"}, force=self._forced)
                 report = await pool.aclose()
         finally:
             unsubscribe()
+            if self._face is not None:
+                self._face.close()
             self._state = "stopped"
             stopped.set()
         lifecycle(
@@ -581,16 +613,6 @@ def _refused(uid: int) -> None:
         level=logging.WARNING,
         uid=uid,
     )
-
-
-def _kill_every_call(pool: Pool | None) -> None:
-    """SIGKILL the tree of every call still unsettled (cause ``disposed``, the drain's).
-    Through the pool's own cancel path, so each call still settles only once its tree is
-    gone; the pool has no public "every call" (a call belongs to whoever submitted it)."""
-    if pool is None:
-        return
-    for call in list(pool._core.calls.values()):
-        pool._cancel(call, _DISPOSED, force=True)  # type: ignore[arg-type]
 
 
 def _log_event(event: PoolEvent) -> None:
