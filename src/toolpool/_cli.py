@@ -104,8 +104,83 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_profile_options(call, "default")
     _add_batch(sub)
+    _add_mcp(sub)
     _add_service(sub)
     return parser
+
+
+def _add_mcp(sub: Any) -> None:
+    mcp = sub.add_parser(
+        "mcp",
+        help="serve tools over the Model Context Protocol (stdio, or streamable HTTP)",
+        description="Serve the tools of each TOOLS registry (one provider each) over MCP: on "
+        "stdin/stdout by default, over streamable HTTP at http://HOST:PORT/mcp with --http. "
+        "A cancelled call is stopped as the pool stops calls, and confirmed only once its "
+        "process tree is gone. The client going away (stdin closed, client dead) cancels "
+        "every call (cause parent); SIGTERM or SIGINT drains (cause disposed). Needs the "
+        "'mcp' extra. See docs/mcp.md.",
+    )
+    mcp.add_argument("tools", nargs="+", metavar="TOOLS", help="module:attribute of a Registry")
+    mcp.add_argument("--workers", type=int, default=4, help="workers per provider (default: 4)")
+    mcp.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="serve streamable HTTP instead of stdio (loopback only unless --token-file)",
+    )
+    mcp.add_argument("--token-file", help="a file holding the bearer token HTTP clients must send")
+    mcp.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds a call may run, for tools whose provider sets no timeout",
+    )
+    mcp.add_argument(
+        "--cancel-grace",
+        type=float,
+        default=5.0,
+        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
+    )
+    mcp.add_argument(
+        "--term-grace",
+        type=float,
+        default=2.0,
+        help="seconds after SIGTERM before SIGKILL (default: 2)",
+    )
+    _add_profile_options(mcp, "default")
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--http takes HOST:PORT (e.g. 127.0.0.1:8000), not {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def _mcp(ns: argparse.Namespace) -> int:
+    from .mcp import _import
+
+    run = _import("_main").run
+    # stderr is the client's log of the server: what happened to each call, at INFO.
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="toolpool: %(levelname)s %(message)s"
+    )
+    if ns.timeout is not None and not ns.timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {ns.timeout}")
+    return int(
+        anyio.run(
+            lambda: run(
+                ns.tools,
+                workers=ns.workers,
+                profile=_profile(ns),
+                timeout=ns.timeout,
+                cancel_grace=ns.cancel_grace,
+                term_grace=ns.term_grace,
+                http=_host_port(ns.http) if ns.http is not None else None,
+                token_file=ns.token_file,
+                say=say,
+            )
+        )
+    )
 
 
 def _add_service(sub: Any) -> None:
@@ -350,7 +425,7 @@ def _batch(ns: argparse.Namespace) -> int:
         ns.workers = 64 if ns.server else 4
     if ns.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {ns.workers}")
-    token = _read_token(ns.token_file) if ns.token_file else None
+    token = _read_token(ns.token_file)
     if ns.retries < 0:
         raise ValueError(f"--retries must be 0 or more, got {ns.retries}")
     if ns.timeout is not None and not ns.timeout > 0:
@@ -376,17 +451,6 @@ def _batch(ns: argparse.Namespace) -> int:
         token=token,
     )
     return anyio.run(_run_batch, options, ns.no_progress, ns.json)
-
-
-def _read_token(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
-    if not token:
-        raise ValueError(f"{path} holds no token")
-    return token
 
 
 async def _run_batch(options: Any, no_progress: bool, as_json: bool) -> int:
@@ -428,14 +492,12 @@ def _serve(ns: argparse.Namespace) -> int:
         )
     else:
         raise ValueError("nothing to serve: give TOOLS (module:attribute) or --config FILE")
-    host, sep, port = ns.http.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"--http must be HOST:PORT, got {ns.http!r}")
-    token = _read_token(ns.token_file) if ns.token_file else None
+    host, port = _host_port(ns.http)
+    token = _read_token(ns.token_file)
     options = ServiceOptions(
         providers=providers,
-        host=host.strip("[]"),
-        port=int(port),
+        host=host,
+        port=port,
         token=token,
         control=ns.control,
         cancel_grace=ns.cancel_grace,
@@ -514,6 +576,15 @@ def _status_text(s: Mapping[str, Any]) -> str:
     if len(rows) > 1:
         lines += ["", _table(rows, wrap={6: _OBSERVED_WIDTH})]
     return "\n".join(lines)
+
+
+def _read_token(path: str | None) -> str | None:
+    """The bearer token in ``path`` (as the MCP face reads it: at least 16 characters)."""
+    if path is None:
+        return None
+    from .mcp._http import read_token
+
+    return read_token(path)
 
 
 def _demo() -> int:
@@ -672,7 +743,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # what stays in stdout's buffer goes nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-    except (ToolpoolError, ValueError, TypeError, ImportError) as exc:
+    except (ToolpoolError, ValueError, TypeError, ImportError, OSError) as exc:
         print(_message(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -693,6 +764,8 @@ def _run(ns: argparse.Namespace) -> int:
         return anyio.run(_selftest, ns)
     if ns.command == "batch":
         return _batch(ns)
+    if ns.command == "mcp":
+        return _mcp(ns)
     if ns.command == "serve":
         return _serve(ns)
     if ns.command in ("status", "scale", "drain", "reload"):

@@ -12,7 +12,6 @@ every process tree gone: the process exits 0).
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
 import signal
@@ -112,6 +111,8 @@ class ServiceOptions:
                 raise ValueError(f"{name} must be a number of seconds, 0 or more")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0-65535, got {self.port}")
+        from ..mcp._http import is_loopback
+
         if not is_loopback(self.host) and not self.token:
             raise ValueError(
                 f"refusing to listen on {self.host}: not a loopback address, and no token "
@@ -126,23 +127,11 @@ class ServiceOptions:
         return self.drain_grace + self.cancel_grace + self.term_grace
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names only this machine (``localhost``, 127.0.0.0/8, ``::1``)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _load_face(pool: Pool, options: ServiceOptions) -> Face | None:
     try:
         from ..mcp import McpServer  # type: ignore[import-not-found,unused-ignore]
     except ImportError:  # (until the MCP face, issue 23, is merged: /mcp answers 404)
-        lifecycle(
-            "no_face", "toolpool.mcp is not there: /mcp is not served", level=logging.WARNING
-        )
+        lifecycle("no_face", "toolpool.mcp is not there: /mcp is not served", level=logging.WARNING)
         return None
     face: Face = McpServer(pool, timeout=options.timeout)
     return face
@@ -151,6 +140,8 @@ def _load_face(pool: Pool, options: ServiceOptions) -> Face | None:
 def _hosts(options: ServiceOptions) -> list[str]:
     """What ``/mcp`` accepts as ``Host``: loopback, the address it listens on, and the
     names given (each with any port)."""
+    from ..mcp._http import is_loopback
+
     names = ["127.0.0.1", "localhost", "[::1]"]
     host = options.host
     if host not in ("0.0.0.0", "::") and not is_loopback(host):
@@ -385,6 +376,8 @@ class Service:
 
     async def run(self) -> int:
         """Serve until drained; 0 once every call settled and every tree is gone."""
+        from ..mcp._http import _bind
+
         options = self.options
         self._drain_asked = anyio.Event()
         self._stopped = anyio.Event()
@@ -576,20 +569,6 @@ def _first_failure(group: BaseExceptionGroup[BaseException]) -> BaseException:
             return _first_failure(exc)
         return exc
     return group
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ToolpoolError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.listen(1024)
-    sock.set_inheritable(False)
-    return sock
 
 
 def _url_host(host: str) -> str:
