@@ -38,7 +38,7 @@ async def work(id: str, seconds: float = 0.0) -> str:
     the end."""
     _note(f"start {id} {os.getpid()}")
     await anyio.sleep(seconds)
-    _note(f"end {id}")
+    _note(f"end {id} {os.getpid()}")
     return id
 
 
@@ -48,7 +48,7 @@ def stubborn(id: str, seconds: float = 60.0) -> str:
     by the ladder."""
     _note(f"start {id} {os.getpid()}")
     time.sleep(seconds)
-    _note(f"end {id}")
+    _note(f"end {id} {os.getpid()}")
     return id
 
 
@@ -58,7 +58,7 @@ async def cooperative(id: str, execution: ToolExecution, seconds: float = 60.0) 
     _note(f"start {id} {os.getpid()}")
     with anyio.move_on_after(seconds):
         await execution.signal.wait()
-    _note(f"end {id}")
+    _note(f"end {id} {os.getpid()}")
     return id
 
 
