@@ -11,20 +11,26 @@ import contextlib
 import json
 import os
 import queue
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 TESTS = Path(__file__).resolve().parent
+#: haproxy (Debian's package), the load balancer in front of several services; None if absent.
+HAPROXY = shutil.which("haproxy") or (
+    "/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None
+)
 
 
 def serve_env(**extra: str) -> dict[str, str]:
@@ -174,3 +180,66 @@ class ServeProcess:
         self._reader.join(10)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def haproxy(tmp_path: Path, ports: list[int]) -> Iterator[int]:
+    """haproxy on a free loopback port in front of the services on ``ports``, round robin,
+    each checked on ``/readyz`` every 0.3 s (a draining one is out at its first failure),
+    a connection that fails sent to another (``option redispatch``); ended on exit."""
+    port = free_port()
+    servers = "\n".join(f"    server n{i} 127.0.0.1:{p} check" for i, p in enumerate(ports))
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(
+        f"""global
+    maxconn 4096
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 120s
+    timeout server 120s
+    retries 3
+    option redispatch
+frontend callers
+    bind 127.0.0.1:{port}
+    default_backend nodes
+backend nodes
+    balance roundrobin
+    option httpchk GET /readyz
+    http-check expect status 200
+    default-server inter 300ms fall 1 rise 2
+{servers}
+"""
+    )
+    assert HAPROXY is not None
+    proc = subprocess.Popen(
+        [HAPROXY, "-db", "-f", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # (haproxy says nothing when it listens: try the port)
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline, "haproxy did not listen"
+            time.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        if proc.stderr is not None:
+            proc.stderr.close()

@@ -9,27 +9,20 @@ The tools note every start and end with the call's id and the worker's pid
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from serve_support import ServeProcess, serve_env
+from serve_support import HAPROXY, ServeProcess, haproxy, serve_env
 
-HAPROXY = shutil.which("haproxy") or (
-    "/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None
-)
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(300),
@@ -44,66 +37,6 @@ CALLS = 2000
 SECONDS = 0.05  # each call's work
 KILL_AT = 500  # calls started when node 1 is SIGKILLed
 TERM_AT = 1000  # ... and node 2 SIGTERMed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def haproxy(tmp_path: Path, ports: list[int]) -> Iterator[int]:
-    port = free_port()
-    servers = "\n".join(f"    server n{i} 127.0.0.1:{p} check" for i, p in enumerate(ports))
-    config = tmp_path / "haproxy.cfg"
-    config.write_text(
-        f"""global
-    maxconn 4096
-defaults
-    mode http
-    timeout connect 2s
-    timeout client 120s
-    timeout server 120s
-    retries 3
-    option redispatch
-frontend callers
-    bind 127.0.0.1:{port}
-    default_backend nodes
-backend nodes
-    balance roundrobin
-    option httpchk GET /readyz
-    http-check expect status 200
-    default-server inter 300ms fall 1 rise 2
-{servers}
-"""
-    )
-    assert HAPROXY is not None
-    proc = subprocess.Popen(
-        [HAPROXY, "-db", "-f", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:  # (haproxy says nothing when it listens: try the port)
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert time.monotonic() < deadline, "haproxy did not listen"
-            time.sleep(0.05)
-        yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        if proc.stderr is not None:
-            proc.stderr.close()
 
 
 def ledger_lines(path: Path) -> list[list[str]]:
