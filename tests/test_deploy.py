@@ -67,6 +67,10 @@ def args() -> dict[str, str]:
     return out
 
 
+def allowed_hosts() -> set[str]:
+    return {a.partition("=")[2] for a in container()["args"] if a.startswith("--allowed-host=")}
+
+
 # ---------------------------------------------------------------------------- schemas
 
 
@@ -162,7 +166,15 @@ def test_ports_agree() -> None:
     assert int(number) == port["containerPort"]
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert c[probe]["httpGet"]["port"] == port["name"]
-    (svc_port,) = load("service.yaml")["spec"]["ports"]
+    service = load("service.yaml")
+    name, namespace = service["metadata"]["name"], service["metadata"]["namespace"]
+    assert {  # the names callers use for the Service are Host values /mcp accepts
+        name,
+        f"{name}.{namespace}",
+        f"{name}.{namespace}.svc",
+        f"{name}.{namespace}.svc.cluster.local",
+    } <= allowed_hosts()
+    (svc_port,) = service["spec"]["ports"]
     assert svc_port["targetPort"] == port["name"]
     (rule,) = load("networkpolicy.yaml")["spec"]["ingress"]
     assert [p["port"] for p in rule["ports"]] == [port["containerPort"]]
