@@ -58,20 +58,21 @@ def receive(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
     return json.loads(line)  # type: ignore[no-any-return]
 
 
+#: The opening request of a 2025-11-25 session.
+INITIALIZE: dict[str, Any] = {
+    "jsonrpc": "2.0",
+    "id": 0,
+    "method": "initialize",
+    "params": {
+        "protocolVersion": "2025-11-25",
+        "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "0"},
+    },
+}
+
+
 def initialize(proc: subprocess.Popen[bytes]) -> None:
-    send(
-        proc,
-        {
-            "jsonrpc": "2.0",
-            "id": 0,
-            "method": "initialize",
-            "params": {
-                "protocolVersion": "2025-11-25",
-                "capabilities": {},
-                "clientInfo": {"name": "raw", "version": "0"},
-            },
-        },
-    )
+    send(proc, INITIALIZE)
     answer = receive(proc)
     assert answer.get("id") == 0, answer
     assert "result" in answer, answer

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 
 import anyio
 
 from toolpool import Registry, ToolExecution
+from toolpool.testing.examples import spawn_daemon
 
 registry = Registry()
 extra = Registry()
@@ -49,38 +49,20 @@ def stubborn(marker: str, execution: ToolExecution, seconds: float = 3600.0) -> 
     """Leave a setsid double-forked grandchild (``marker`` in its argv), report both pids
     as progress, then ignore SIGTERM and the cancel signal and block: only SIGKILL of the
     whole tree stops it."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setsid()
-            if os.fork() == 0:
-                os.write(write_fd, str(os.getpid()).encode())
-                os.execvp(
-                    sys.executable,
-                    [sys.executable, "-c", f"import time; time.sleep({seconds})", marker],
-                )
-        finally:
-            os._exit(0)
-    os.close(write_fd)
-    os.waitpid(pid, 0)
-    data = b""
-    while chunk := os.read(read_fd, 32):
-        data += chunk
-    os.close(read_fd)
+    daemon = spawn_daemon(marker, seconds)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    execution.report_progress(
-        1, None, json.dumps({"worker": os.getpid(), "daemon": int(data or b"0")})
-    )
+    execution.report_progress(1, None, json.dumps({"worker": os.getpid(), "daemon": daemon}))
     time.sleep(seconds)
     return 0
 
 
 @registry.tool
 async def count(steps: int, execution: ToolExecution, pause: float = 0.06) -> int:
-    """Report progress steps/steps, one every ``pause`` seconds, then return steps."""
+    """Report progress steps/steps, one every ``pause`` seconds, then return steps; stops
+    (aborted) at the next step when cancelled."""
     for done in range(1, steps + 1):
         await anyio.sleep(pause)
+        execution.signal.raise_if_cancelled()
         execution.report_progress(done, steps, f"step {done}")
     return steps
 

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -121,6 +121,35 @@ async def _wait_running(dispatcher: JSONRPCDispatcher[Any], task_id: str) -> dic
             if task["status"] != "working" or task["statusMessage"].startswith("running"):
                 return task
             await anyio.sleep(0.05)
+
+
+async def _call_then(
+    session: ClientSession,
+    tool: str,
+    args: dict[str, Any],
+    then: Callable[[], object] | None = None,
+) -> types.CallToolResult | None:
+    """Call ``tool``; at its first progress report (its body runs), ``then()``, or by
+    default cancel the call on the client's side. The result, or None if cancelled."""
+    started = anyio.Event()
+    result: list[Any] = []
+
+    async def note(done: float, total: float | None, message: str | None) -> None:
+        started.set()
+
+    async with anyio.create_task_group() as tg:
+
+        async def run() -> None:
+            result.append(await session.call_tool(tool, args, progress_callback=note))
+
+        tg.start_soon(run)
+        with anyio.fail_after(30):
+            await started.wait()
+        if then is None:
+            tg.cancel_scope.cancel()
+        else:
+            then()
+    return result[0] if result else None
 
 
 async def test_stdio_tools_calls_and_errors() -> None:
@@ -252,19 +281,8 @@ async def test_stdio_notifications_cancelled_is_user_and_progress_is_in_order(
             await session.call_tool("echo", {"value": 0})  # any late progress would be here
             assert len(seen) == len(dones), seen
 
-            started = anyio.Event()
-
-            async def note(done: float, total: float | None, message: str | None) -> None:
-                started.set()
-
-            async with anyio.create_task_group() as tg:
-
-                async def nap() -> None:
-                    await session.call_tool("nap", {"seconds": 60}, progress_callback=note)
-
-                tg.start_soon(nap)
-                await started.wait()
-                tg.cancel_scope.cancel()  # the SDK sends notifications/cancelled
+            # cancelled on the client's side: the SDK sends notifications/cancelled
+            assert await _call_then(session, "nap", {"seconds": 60}) is None
             # the server follows the call until it settles: the next call is answered after
             assert (await session.call_tool("echo", {"value": 2})).structured_content["value"] == 2  # type: ignore[index]
         errlog.seek(0)
@@ -399,10 +417,12 @@ class _Http:
 
 
 @asynccontextmanager
-async def _http(*, token: str | None = None, max_body_bytes: int = 1 << 20) -> AsyncIterator[_Http]:
+async def _http(
+    *, token: str | None = None, max_body_bytes: int = 1 << 20, timeout: float | None = None
+) -> AsyncIterator[_Http]:
     async with toolpool.Pool(cancel_grace=0.3, term_grace=0.3) as pool:
         await pool.add_provider("main", "tests.mcp_tools:registry", workers=2)
-        server = McpServer(pool)
+        server = McpServer(pool, timeout=timeout)
         app = server.asgi_app(token=token, max_body_bytes=max_body_bytes)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -465,19 +485,7 @@ async def test_http_tools_calls_cancel_and_list_changed() -> None:
                     await changed.wait()
                 assert "late" not in {t.name for t in (await s.list_tools()).tools}
 
-                started = anyio.Event()
-
-                async def note(done: float, total: float | None, message: str | None) -> None:
-                    started.set()
-
-                async with anyio.create_task_group() as tg:
-
-                    async def nap() -> None:
-                        await s.call_tool("nap", {"seconds": 60}, progress_callback=note)
-
-                    tg.start_soon(nap)
-                    await started.wait()
-                    tg.cancel_scope.cancel()
+                assert await _call_then(s, "nap", {"seconds": 60}) is None
                 with anyio.fail_after(30):
                     await h.server.wait_idle()
         stats = h.server.statistics()
@@ -487,18 +495,66 @@ async def test_http_tools_calls_cancel_and_list_changed() -> None:
         assert stats.in_flight == 0
 
 
+async def test_http_2026_wire_calls_and_a_closed_stream_is_parent_and_timeout() -> None:
+    """The 2026-07-28 wire (no handshake; a client cancels by closing the response
+    stream), and a call's deadline (cause timeout)."""
+    async with _http(timeout=0.5) as h, streamable_http_client(h.url) as streams:  # noqa: SIM117
+        async with ClientSession(streams[0], streams[1]) as s:
+            await s.discover()
+            assert s.protocol_version == "2026-07-28"
+            assert "echo" in {t.name for t in (await s.list_tools()).tools}
+            ok = await s.call_tool("echo", {"value": 3})
+            assert ok.structured_content == {"outcome": "ok", "body_started": True, "value": 3}
+            late = await s.call_tool("nap", {"seconds": 60})
+            assert late.is_error
+            assert late.structured_content["outcome"] == "timeout"  # type: ignore[index]
+            assert late.structured_content["cause"] == "timeout"  # type: ignore[index]
+            assert late.content[0].text == "Error: tool call timed out"  # type: ignore[union-attr]
+
+            # this wire's cancel: the response stream closes
+            assert await _call_then(s, "count", {"steps": 100, "pause": 0.1}) is None
+            with anyio.fail_after(30):
+                await h.server.wait_idle()
+    stats = h.server.statistics()
+    assert stats.cancelled.get("parent") == 1
+    assert stats.outcomes.get("aborted") == 1
+    assert stats.outcomes.get("timeout") == 1
+
+
+def test_http_command_drains_on_sigterm_as_disposed(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [*raw.server_command(), "--http", "127.0.0.1:0"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        while "serving MCP at" not in (line := proc.stderr.readline()):
+            assert line, "the server did not start"
+        url = line.rsplit(" ", 1)[1].strip()
+
+        async def client() -> dict[str, Any]:
+            async with _client(url) as s:
+                result = await _call_then(
+                    s, "nap", {"seconds": 60}, lambda: proc.send_signal(signal.SIGTERM)
+                )
+                assert result is not None
+                return result.structured_content  # type: ignore[no-any-return]
+
+        content = anyio.run(client)
+        assert content["outcome"] == "aborted"
+        assert content["cause"] == "disposed"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
 async def _raw_session(client: httpx2.AsyncClient, url: str, headers: dict[str, str]) -> str:
-    init = {
-        "jsonrpc": "2.0",
-        "id": 0,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-11-25",
-            "capabilities": {},
-            "clientInfo": {"name": "raw", "version": "0"},
-        },
-    }
-    response = await client.post(url, json=init, headers=headers)
+    response = await client.post(url, json=raw.INITIALIZE, headers=headers)
     assert response.status_code == 200, response.text
     session = response.headers["mcp-session-id"]
     headers = {**headers, "mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
@@ -594,44 +650,22 @@ async def test_http_bearer_token() -> None:
 
 
 def test_http_non_loopback_bind_without_token_is_refused(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "toolpool",
-            "mcp",
-            "tests.mcp_tools:registry",
-            "--http",
-            "0.0.0.0:0",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    def command(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*raw.server_command(), "--http", "0.0.0.0:0", *extra],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    done = command()
     assert done.returncode == 2
     assert "not a loopback address" in done.stderr
     short = tmp_path / "token"
     short.write_text("short\n")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "toolpool",
-            "mcp",
-            "tests.mcp_tools:registry",
-            "--http",
-            "0.0.0.0:0",
-            "--token-file",
-            str(short),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = command("--token-file", str(short))
     assert done.returncode == 2
     assert "at least 16 characters" in done.stderr
 

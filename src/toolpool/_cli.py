@@ -51,6 +51,21 @@ def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
     )
 
 
+def _add_grace_options(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument(
+        "--cancel-grace",
+        type=float,
+        default=5.0,
+        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
+    )
+    cmd.add_argument(
+        "--term-grace",
+        type=float,
+        default=2.0,
+        help="seconds after SIGTERM before SIGKILL (default: 2)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -90,18 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     call.add_argument(
         "--timeout", type=float, default=None, help="seconds before the call is cancelled"
     )
-    call.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    call.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
+    _add_grace_options(call)
     _add_profile_options(call, "default")
     _add_batch(sub)
     _add_mcp(sub)
@@ -134,18 +138,7 @@ def _add_mcp(sub: Any) -> None:
         default=None,
         help="seconds a call may run, for tools whose provider sets no timeout",
     )
-    mcp.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    mcp.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
+    _add_grace_options(mcp)
     _add_profile_options(mcp, "default")
 
 
@@ -160,10 +153,12 @@ def _mcp(ns: argparse.Namespace) -> int:
     from .mcp import _import
 
     run = _import("_main").run
-    # stderr is the client's log of the server: what happened to each call, at INFO.
+    # stderr is the client's log of the server: what happened to each call (toolpool's
+    # loggers at INFO), and the warnings of the libraries under it.
     logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="toolpool: %(levelname)s %(message)s"
+        level=logging.WARNING, stream=sys.stderr, format="toolpool: %(levelname)s %(message)s"
     )
+    logging.getLogger("toolpool").setLevel(logging.INFO)
     if ns.timeout is not None and not ns.timeout > 0:
         raise ValueError(f"--timeout must be a positive number of seconds, got {ns.timeout}")
     return int(
@@ -233,18 +228,7 @@ def _add_service(sub: Any) -> None:
         default=30.0,
         help="seconds running calls get when draining, before they are cancelled (default: 30)",
     )
-    serve.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    serve.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
+    _add_grace_options(serve)
     serve.add_argument(
         "--log-format", choices=["text", "json"], default="text", help="stderr log lines"
     )
@@ -344,18 +328,7 @@ def _add_batch(sub: Any) -> None:
     )
     batch.add_argument("--no-progress", action="store_true", help="no progress bar")
     batch.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    batch.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    batch.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
+    _add_grace_options(batch)
     _add_profile_options(batch, "default")
 
 

@@ -46,14 +46,9 @@ def __getattr__(name: str) -> _typing.Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    obj = getattr(_import(module), name)
-    if isinstance(obj, type) or callable(obj):
-        try:
-            obj.__module__ = __name__
-        except (AttributeError, TypeError):
-            pass
-    globals()[name] = obj
-    return obj
+    from .. import _reexport
+
+    return _reexport(globals(), name, _import(module))
 
 
 def __dir__() -> list[str]:

@@ -14,6 +14,8 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..core import Outcome
+
 if TYPE_CHECKING:
     from ..supervisor import Result
 
@@ -31,16 +33,7 @@ OUTPUT_SCHEMA: dict[str, Any] = {
     "properties": {
         "outcome": {
             "type": "string",
-            "enum": [
-                "ok",
-                "error",
-                "denied",
-                "aborted_before_dispatch",
-                "aborted",
-                "timeout",
-                "killed",
-                "worker_lost",
-            ],
+            "enum": [outcome.value for outcome in Outcome],
             "description": "what happened to the tool body",
         },
         "body_started": {

@@ -186,6 +186,7 @@ class McpServer:
         self.max_message_bytes = max_message_bytes
         self.progress_interval = float(progress_interval)
         self._tools: dict[str, dict[str, Any]] = {}
+        self._listing = types.ListToolsResult(tools=[])
         self._tracked: dict[Call, _Tracked] = {}
         self._handlers = 0
         self._idle: anyio.Event | None = None
@@ -432,6 +433,10 @@ class McpServer:
             tools[name] = describe_tool(entry, timeout)
         changed = tools != self._tools
         self._tools = tools
+        # Typed once per change: the SDK shapes it for each protocol version it serves.
+        self._listing = types.ListToolsResult(
+            tools=[types.Tool.model_validate(t, by_name=False) for t in tools.values()]
+        )
         if changed and self._list_changed is not None:
             self._list_changed.set()
 
@@ -448,8 +453,8 @@ class McpServer:
 
     async def _list_tools(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
-    ) -> dict[str, Any]:
-        return _for_version(ctx, {"tools": list(self._tools.values())}, listing=True)
+    ) -> types.ListToolsResult:
+        return self._listing
 
     def _timeout_for(self, tool: str) -> float | None:
         """The deadline for a call: the provider's own, else the server's (None: the pool
@@ -534,7 +539,7 @@ class McpServer:
 
     async def _call_tool(
         self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams
-    ) -> dict[str, Any]:
+    ) -> types.CallToolResult:
         call = self._submit(params.name, params.arguments)
         tracked = self._track(call, params.name)
         self._handlers += 1
@@ -554,7 +559,7 @@ class McpServer:
             tracked.answered.set()
             self._handlers -= 1
             self._maybe_idle()
-        return _for_version(ctx, call_result(result))
+        return types.CallToolResult.model_validate(call_result(result), by_name=False)
 
     async def _settled(self, ctx: ServerRequestContext[Any, Any], tracked: _Tracked) -> Result:
         call = tracked.call
@@ -674,20 +679,6 @@ class McpServer:
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams
     ) -> dict[str, Any]:
         return {"tasks": [t.wire() for t in self._tasks.of(_connection_of(ctx))]}
-
-
-def _for_version(
-    ctx: ServerRequestContext[Any, Any], result: dict[str, Any], *, listing: bool = False
-) -> dict[str, Any]:
-    """A result as the request's protocol version wants it: the 2026-07-28 wire (stateless,
-    what ``toolpool.connect`` speaks) requires ``resultType``, and on a listing the cache
-    hints (``ttlMs`` 0: the tools change with the providers; ``private``)."""
-    if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
-        return result
-    result = {**result, "resultType": "complete"}
-    if listing:
-        result.update(ttlMs=0, cacheScope="private")
-    return result
 
 
 async def serve(

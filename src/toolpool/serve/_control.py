@@ -193,6 +193,11 @@ class ControlServer:
             uid = peer_uid(raw)
             if uid != os.getuid():
                 self._refused(uid)
+                # (its request is read, never used: closing with it unread would reset the
+                # connection, and the refusal could be lost)
+                with anyio.move_on_after(5):
+                    with contextlib.suppress(Exception):
+                        await _read_line(stream, MAX_REQUEST)
                 await _send(stream, {"ok": False, "error": f"uid {uid} may not control this"})
                 return
             try:
@@ -240,7 +245,10 @@ def request(path: str, req: Mapping[str, Any], *, timeout: float | None = None) 
             raise ControlError(f"no service listens on {path}") from None
         except PermissionError:
             raise ControlError(f"{path}: permission denied (the service's uid only)") from None
-        sock.sendall(json.dumps(dict(req)).encode() + b"\n")
+        try:
+            sock.sendall(json.dumps(dict(req)).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # (refused before it read the request: its answer says why, below)
         data = b""
         while not data.endswith(b"\n"):
             try:
