@@ -415,12 +415,6 @@ def _calls(url: str, requests: list[tuple[str, dict[str, object]]], *, during: A
     return anyio.run(main)
 
 
-@pytest.fixture
-def face() -> None:
-    pytest.importorskip("toolpool.mcp", reason="the MCP face (issue 23) is not on this branch")
-
-
-@pytest.mark.usefixtures("face")
 def test_sigterm_drains_running_calls_per_the_graces(
     tmp_path: Path, control: str, services: list[ServeProcess]
 ) -> None:
@@ -479,7 +473,6 @@ def test_sigterm_drains_running_calls_per_the_graces(
     assert sorted(line[1] for line in starts) == ["quick", "stuck"]  # nothing ran twice
 
 
-@pytest.mark.usefixtures("face")
 def test_a_second_sigterm_forces(
     tmp_path: Path, control: str, services: list[ServeProcess]
 ) -> None:
@@ -513,7 +506,6 @@ def test_a_second_sigterm_forces(
     assert s.alive_descendants() == []
 
 
-@pytest.mark.usefixtures("face")
 def test_sighup_reload_under_load_loses_nothing_and_runs_nothing_twice(
     tmp_path: Path, control: str, services: list[ServeProcess]
 ) -> None:
@@ -546,7 +538,6 @@ def test_sighup_reload_under_load_loses_nothing_and_runs_nothing_twice(
     stop_and_check(s)
 
 
-@pytest.mark.usefixtures("face")
 def test_as_pid_1_sigterm_drains_running_calls(
     tmp_path: Path, control: str, services: list[ServeProcess]
 ) -> None:
@@ -592,3 +583,47 @@ def test_as_pid_1_sigterm_drains_running_calls(
     assert stuck.outcome is Outcome.KILLED
     assert s.wait(60) == 0
     assert s.alive_descendants() == []
+
+
+def test_drain_over_the_control_socket_with_a_timeout_of_its_own(
+    tmp_path: Path, control: str, services: list[ServeProcess]
+) -> None:
+    """``toolpool drain --wait --timeout 0``: the running call gets no grace (the service's
+    is 60 s), is cancelled at once and killed by the ladder; the command returns once the
+    service stopped."""
+    ledger = tmp_path / "ledger"
+    s = start(
+        services,
+        control,
+        "serve_tools:registry",
+        "--autoscale",
+        "1:2",
+        "--drain-grace",
+        "60",
+        "--cancel-grace",
+        "1",
+        "--term-grace",
+        "1",
+        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
+    )
+    s.wait_serving()
+    status = json.loads(toolpool("status", "--json", control=control).stdout)
+    assert status["providers"]["default"]["autoscale"] == [1, 2]
+    assert status["providers"]["default"]["size"] == 1
+    drained: list[subprocess.CompletedProcess[str]] = []
+
+    def during(calls: list[Any]) -> None:
+        _wait_started(ledger, {"stuck"})
+        s.note_descendants()
+        drained.append(toolpool("drain", "--wait", "--timeout", "0", control=control))
+
+    started = time.monotonic()
+    (stuck,) = _calls(s.url("/mcp"), [("stubborn", {"id": "stuck"})], during=during)
+    assert drained[0].returncode == 0, drained[0].stderr
+    assert drained[0].stdout.strip() == "stopped"
+    assert stuck.outcome is Outcome.KILLED
+    assert stuck.body_started is True
+    assert time.monotonic() - started < 40  # not the 60 s drain grace
+    assert s.wait(30) == 0
+    assert s.alive_descendants() == []
+    assert s.wait_event("draining")["drain_grace_s"] == 0

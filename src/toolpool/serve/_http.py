@@ -86,7 +86,7 @@ class ServiceApp:
 
     async def _metrics(self, send: Send, *, head: bool) -> None:
         body, content_type = self._probes.metrics()
-        await _answer(send, 200, b"" if head else body, content_type)
+        await _answer(send, 200, body, content_type, head=head)
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:
@@ -101,12 +101,19 @@ async def _lifespan(receive: Receive, send: Send) -> None:
 
 async def _json(send: Send, status: int, facts: dict[str, Any], *, head: bool) -> None:
     body = json.dumps(facts, separators=(",", ":")).encode() + b"\n"
-    await _answer(send, status, b"" if head else body, "application/json")
+    await _answer(send, status, body, "application/json", head=head)
 
 
 async def _answer(
-    send: Send, status: int, body: bytes, content_type: str, *, allow: str | None = None
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: str,
+    *,
+    allow: str | None = None,
+    head: bool = False,
 ) -> None:
+    """The response; for HEAD, its headers only (the length of the body a GET gets)."""
     headers = [
         (b"content-type", content_type.encode()),
         (b"content-length", str(len(body)).encode()),
@@ -115,4 +122,4 @@ async def _answer(
     if allow is not None:
         headers.append((b"allow", allow.encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.body", "body": b"" if head else body})
