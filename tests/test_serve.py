@@ -154,6 +154,20 @@ def test_a_non_loopback_listener_needs_a_token(tmp_path: Path) -> None:
     assert "refusing to listen on 0.0.0.0" in done.stderr
 
 
+def test_tools_that_cannot_start_end_the_service_with_one_line(
+    control: str, services: list[ServeProcess]
+) -> None:
+    s = start(services, control, "nosuch_module_here:registry")
+    s.wait_listening()
+    assert s.wait(60) == 2
+    failed = s.wait_event("failed")
+    assert "No module named 'nosuch_module_here'" in s.raw[-1]
+    assert s.raw[-1].startswith("WorkerStartError: workers for 'nosuch_module_here:registry'")
+    assert failed["level"] == "error"
+    assert "Traceback" not in failed["message"]
+    assert not os.path.exists(control)  # (the control socket is removed on the way out)
+
+
 # ---------------------------------------------------------------------------- states
 
 

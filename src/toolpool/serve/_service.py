@@ -396,7 +396,8 @@ class Service:
                     tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             failure = _first_failure(group)
-            lifecycle("failed", f"{type(failure).__name__}: {failure}", level=logging.ERROR)
+            head = str(failure).partition("Traceback (most recent call last):")[0].strip()
+            lifecycle("failed", f"{type(failure).__name__}: {head}", level=logging.ERROR)
             raise failure from None
         finally:
             await control.aclose()
@@ -456,6 +457,10 @@ class Service:
                 if self._face is not None:
                     self._face.cancel_all({"kind": "disposed"}, force=self._forced)
                 report = await pool.aclose()
+        except BaseException:
+            with anyio.CancelScope(shield=True):  # (the listener ends in order, then the error)
+                await http.stop()
+            raise
         finally:
             unsubscribe()
             if self._face is not None:
