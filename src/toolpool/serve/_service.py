@@ -119,13 +119,6 @@ class ServiceOptions:
                 "(--token-file) to authenticate callers"
             )
 
-    @property
-    def stop_bound(self) -> float:
-        """The longest a drain takes for calls that do not stop by themselves: the drain
-        grace, then the cancel grace, then the term grace (then SIGKILL: the tree is gone
-        within moments)."""
-        return self.drain_grace + self.cancel_grace + self.term_grace
-
 
 def _load_face(pool: Pool, options: ServiceOptions) -> Face | None:
     try:
