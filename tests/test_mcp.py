@@ -6,7 +6,6 @@ pid and by a marker in a grandchild's argv."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import socket
@@ -29,11 +28,12 @@ import uvicorn
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
 from mcp.shared.jsonrpc_dispatcher import JSONRPCDispatcher
 from tests import mcp_raw_client as raw
 
 import toolpool
-from toolpool.mcp import McpServer
+from toolpool.mcp import DRAINING, McpServer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120, method="thread")]
 
@@ -153,9 +153,7 @@ async def _call_then(
 
 
 async def test_stdio_tools_calls_and_errors() -> None:
-    registry = toolpool.Registry  # (the catalog below is what the workers describe)
-    assert registry is not None
-    from tests.mcp_tools import registry as tools
+    from tests.mcp_tools import registry as tools  # what the workers serve
 
     async with _stdio("--workers", "1", "--timeout", "30") as (session, _):
         caps = session.server_capabilities
@@ -289,6 +287,31 @@ async def test_stdio_notifications_cancelled_is_user_and_progress_is_in_order(
         text = errlog.read()
         assert "(nap) settled aborted, cause user" in text
         assert "no client received it" in text
+
+
+_SERVE_FROM_PYTHON = """
+import anyio, toolpool
+from toolpool.mcp import serve
+
+async def main():
+    async with toolpool.Pool() as pool:
+        await pool.add_provider("main", "tests.mcp_tools:registry", workers=1)
+        await serve(pool, timeout=20)
+
+anyio.run(main)
+"""
+
+
+async def test_serve_from_python_on_a_pool_of_providers() -> None:
+    params = StdioServerParameters(
+        command=sys.executable, args=["-c", _SERVE_FROM_PYTHON], cwd=str(ROOT), env=dict(os.environ)
+    )
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        tools = {t.name: t for t in (await session.list_tools()).tools}
+        assert "stopped after 20 s" in (tools["echo"].description or "")
+        result = await session.call_tool("echo", {"value": 11})
+        assert result.structured_content == {"outcome": "ok", "body_started": True, "value": 11}
 
 
 def test_stdin_closed_mid_call_cancels_as_parent_and_leaves_nothing() -> None:
@@ -480,6 +503,10 @@ async def test_http_tools_calls_cancel_and_list_changed() -> None:
                 changed = anyio.Event()
                 assert "late" in {t.name for t in (await s.list_tools()).tools}
                 assert (await s.call_tool("late", {"value": 9})).structured_content["value"] == 9  # type: ignore[index]
+                await h.pool.reload_provider("extra")
+                with anyio.fail_after(30):
+                    await changed.wait()
+                changed = anyio.Event()
                 await h.pool.remove_provider("extra")
                 with anyio.fail_after(30):
                     await changed.wait()
@@ -488,7 +515,15 @@ async def test_http_tools_calls_cancel_and_list_changed() -> None:
                 assert await _call_then(s, "nap", {"seconds": 60}) is None
                 with anyio.fail_after(30):
                     await h.server.wait_idle()
+
+                h.server.begin_drain()  # what `toolpool serve` does on SIGTERM
+                assert h.server.draining
+                with pytest.raises(MCPError, match="draining") as refused:
+                    await s.call_tool("echo", {"value": 1})
+                assert refused.value.error.code == DRAINING
+                assert (await s.list_tools()).tools  # nothing else changes
         stats = h.server.statistics()
+        assert stats.refused_draining == 1
         assert stats.cancelled.get("user") == 1
         assert stats.outcomes.get("aborted") == 1
         assert stats.undelivered == 1
@@ -618,6 +653,7 @@ async def test_http_garbage_oversized_unknown_and_origin_are_refused_others_serv
         big = b'{"jsonrpc":"2.0","id":3,"method":"ping","params":{"x":"' + b"a" * 70000 + b'"}}'
         oversized = await client.post(h.url, content=big, headers=headers)
         assert oversized.status_code == 413
+        assert oversized.json()["error"]["code"] == -32600
         unknown = await client.post(
             h.url, json={"jsonrpc": "2.0", "id": 4, "method": "no/such"}, headers=headers
         )
@@ -629,6 +665,34 @@ async def test_http_garbage_oversized_unknown_and_origin_are_refused_others_serv
         )
         assert evil.status_code == 403
         assert (await other.call_tool("echo", {"value": 5})).structured_content["value"] == 5  # type: ignore[index]
+
+
+async def test_http_a_task_belongs_to_its_session() -> None:
+    async with _http() as h, httpx2.AsyncClient(timeout=30) as client:
+        sessions = [await _raw_session(client, h.url, _ACCEPT) for _ in range(2)]
+        owner, stranger = (
+            {**_ACCEPT, "mcp-session-id": sid, "mcp-protocol-version": "2025-11-25"}
+            for sid in sessions
+        )
+
+        async def ask(headers: dict[str, str], method: str, params: dict[str, Any]) -> Any:
+            body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+            response = await client.post(h.url, json=body, headers=headers)
+            for line in response.text.splitlines():
+                if line.startswith("data:") and line[5:].strip():
+                    return json.loads(line[5:])
+            return response.json()
+
+        created = await ask(
+            owner, "tools/call", {"name": "nap", "arguments": {"seconds": 60}, "task": {}}
+        )
+        task_id = created["result"]["task"]["taskId"]
+        for method in ("tasks/get", "tasks/cancel", "tasks/result"):
+            refused = await ask(stranger, method, {"taskId": task_id})
+            assert "Unknown task" in refused["error"]["message"], refused
+        assert (await ask(stranger, "tasks/list", {}))["result"]["tasks"] == []
+        final = await ask(owner, "tasks/cancel", {"taskId": task_id})
+        assert final["result"]["status"] == "cancelled", final
 
 
 async def test_http_bearer_token() -> None:
@@ -687,11 +751,34 @@ async def test_descriptions_tell_the_containment_the_workers_applied() -> None:
             if report.active("readonly_fs") or report.active("landlock"):
                 assert "filesystem read-only" in tool["description"]
             assert "stopped after 12 s" in tool["description"]
+            assert server.cancel_all() == 0
+            for bad in ({"kind": "timeout"}, {"kind": "nope"}, "user", {"kind": "user", "x": 1}):
+                with pytest.raises((ValueError, TypeError)):
+                    server.cancel_all(bad)  # type: ignore[arg-type]
         finally:
             server.close()
+
+
+def test_the_mcp_package_exports_and_says_when_the_extra_is_missing() -> None:
+    import toolpool.mcp as face
+
+    assert isinstance(face.__all__, tuple)
+    for name in face.__all__:
+        obj = getattr(face, name)
+        if isinstance(obj, type) or callable(obj):
+            assert obj.__module__ == "toolpool.mcp", name
+    code = (
+        "import sys; sys.modules['mcp'] = None\n"
+        "import toolpool.mcp\n"
+        "try:\n    toolpool.mcp.McpServer\n"
+        "except ImportError as exc:\n    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "pip install 'toolpool[mcp]'" in done.stdout
 
 
 def test_importing_toolpool_does_not_import_the_sdk() -> None:
     code = "import sys, toolpool; toolpool.Pool; assert 'mcp' not in sys.modules, 'mcp'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-    logging.getLogger(__name__).debug("ok")

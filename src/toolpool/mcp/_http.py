@@ -4,11 +4,13 @@ What guards the endpoint, outermost first:
 
 - a **bearer token** when one is configured: ``Authorization: Bearer <token>``, compared in
   constant time; anything else is ``401`` with ``WWW-Authenticate: Bearer``;
+- a **body limit** (POST): an oversized body is answered ``413`` with a JSON-RPC error,
+  read no further;
 - the SDK's **DNS-rebinding protection**: the ``Host`` and ``Origin`` headers must be among
   the allowed ones (loopback by default; a request without ``Origin``, as non-browser clients
   send, passes the origin check);
-- the SDK's **body limit** (``413``) and JSON-RPC validation: a malformed message is
-  answered with a JSON-RPC error on its own request; other sessions are untouched.
+- the SDK's JSON-RPC validation: a malformed message is answered with a JSON-RPC error on
+  its own request; other sessions are untouched.
 
 A client that closes a request's response stream before the answer is cancelling that call:
 on the 2025 wire the SDK does not tell the handler, so the guard notices the disconnect (the
@@ -78,9 +80,11 @@ def read_token(path: str) -> str:
     return token
 
 
-def _json_error(status: int, message: str, headers: list[tuple[bytes, bytes]]) -> list[Message]:
+def _json_error(
+    status: int, message: str, headers: list[tuple[bytes, bytes]], code: int = -32001
+) -> list[Message]:
     body = json.dumps(
-        {"jsonrpc": "2.0", "id": None, "error": {"code": -32001, "message": message}}
+        {"jsonrpc": "2.0", "id": None, "error": {"code": code, "message": message}}
     ).encode()
     return [
         {
@@ -99,9 +103,10 @@ def _json_error(status: int, message: str, headers: list[tuple[bytes, bytes]]) -
 class _Guard:
     """The bearer token check, and the disconnect watch of a request (module docstring)."""
 
-    def __init__(self, app: ASGIApp, token: str | None) -> None:
+    def __init__(self, app: ASGIApp, token: str | None, max_body_bytes: int) -> None:
         self.app = app
         self.token = token.encode() if token is not None else None
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -118,11 +123,31 @@ class _Guard:
         if scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
+        # The body is read here first, so an oversized one gets a JSON-RPC error (the SDK's
+        # own limit, kept behind this one, answers in plain text).
+        body = bytearray()
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                for reply in _json_error(
+                    413,
+                    f"Invalid Request: message over {self.max_body_bytes} bytes",
+                    [],
+                    code=-32600,
+                ):
+                    await send(reply)
+                return
+        replay: list[Message] = [{"type": "http.request", "body": bytes(body), "more_body": False}]
         gone = anyio.Event()
         answered = False
 
         async def watch_receive() -> Message:
-            message = await receive()
+            message = replay.pop() if replay else await receive()
             if message["type"] == "http.disconnect" and not answered:
                 gone.set()
             return message
@@ -183,7 +208,9 @@ def build_app(
                     await server.wait_idle()
 
     return Starlette(
-        routes=[Route(path, endpoint=_Guard(StreamableHTTPASGIApp(manager), token))],
+        routes=[
+            Route(path, endpoint=_Guard(StreamableHTTPASGIApp(manager), token, max_body_bytes))
+        ],
         lifespan=lifespan,
     )
 

@@ -268,6 +268,10 @@ class McpServer:
         "disposed"}``; default ``disposed``), escalating as the pool does (``force``: SIGKILL
         at once). The first cause of a call wins. Returns how many calls were in flight."""
         accepted = _DISPOSED if cause is None else validate_cause(cause, allow_runtime=True)
+        if accepted.kind == "timeout":
+            raise ValueError(
+                "a call's deadline is the pool's own: cancel with user, parent or disposed"
+            )
         for tracked in list(self._tracked.values()):
             self._cancel(tracked, accepted, force=force)
         return len(self._tracked)
@@ -431,13 +435,14 @@ class McpServer:
             runs_in = entry.get("runs_in") or {}
             timeout = runs_in.get("timeout_s") or self.timeout
             tools[name] = describe_tool(entry, timeout)
-        changed = tools != self._tools
         self._tools = tools
         # Typed once per change: the SDK shapes it for each protocol version it serves.
         self._listing = types.ListToolsResult(
             tools=[types.Tool.model_validate(t, by_name=False) for t in tools.values()]
         )
-        if changed and self._list_changed is not None:
+        # Every change of the catalog is announced, a reload's too (its tools' code is new,
+        # even where their descriptions are the same).
+        if self._list_changed is not None:
             self._list_changed.set()
 
     async def _announce_changes(self) -> None:

@@ -15,6 +15,7 @@ private duplicates), so nothing a handler or a child process does can corrupt th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -86,7 +87,7 @@ async def stdio_streams(
     os.close(devnull)
     out_fd, saved_out = _claim(1, 2)
     reader: BinaryIO = os.fdopen(in_fd, "rb", buffering=65536)
-    writer: BinaryIO = os.fdopen(out_fd, "wb", buffering=0)
+    writer: BinaryIO = os.fdopen(out_fd, "wb")  # buffered: it writes each line whole
     read_send, read_recv = anyio.create_memory_object_stream[SessionMessage | Exception](0)
     write_send, write_recv = anyio.create_memory_object_stream[SessionMessage](16)
     replies = write_send.clone()
@@ -145,25 +146,35 @@ async def stdio_streams(
                 else:
                     await read_send.send(message)
 
-    async def write_lines() -> None:
-        try:
-            await _write_lines()
-        finally:
-            written.set()
+    #: Encoded lines for the writer thread; ``None`` when there is nothing more.
+    out_send, out_recv = anyio.create_memory_object_stream[bytes | None](0)
 
-    async def _write_lines() -> None:
-        async with write_recv:
-            async for message in write_recv:
-                data = message.message.model_dump_json(by_alias=True, exclude_unset=True)
+    def write_in_thread() -> None:
+        # A daemon thread too: a write blocked on a client that reads nothing never holds
+        # up the server's exit.
+        try:
+            while (data := anyio.from_thread.run(out_recv.receive, token=token)) is not None:
                 try:
-                    await anyio.to_thread.run_sync(
-                        writer.write, data.encode() + b"\n", abandon_on_cancel=True
-                    )
+                    writer.write(data)
+                    writer.flush()
                 except OSError:  # EPIPE: the client is gone; what is left goes nowhere
                     _log.info("the client's end of stdout is closed")
-                    async for _ in write_recv:
+                    while anyio.from_thread.run(out_recv.receive, token=token) is not None:
                         pass
-                    return
+                    break
+        except Exception:  # the server stopped serving
+            return
+        finally:
+            with contextlib.suppress(Exception):
+                anyio.from_thread.run_sync(written.set, token=token)
+
+    async def write_lines() -> None:
+        threading.Thread(target=write_in_thread, name="toolpool-mcp-stdout", daemon=True).start()
+        async with write_recv, out_send:
+            async for message in write_recv:
+                data = message.message.model_dump_json(by_alias=True, exclude_unset=True)
+                await out_send.send(data.encode() + b"\n")
+            await out_send.send(None)
 
     try:
         async with anyio.create_task_group() as tg:
