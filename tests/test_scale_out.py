@@ -34,7 +34,8 @@ pytestmark = [
 ]
 
 CALLS = 2000
-SECONDS = 0.05  # each call's work
+SECONDS = 0.05  # each call's work; every tenth call's is LONG
+LONG = 1.0
 KILL_AT = 500  # calls started when node 1 is SIGKILLed
 TERM_AT = 1000  # ... and node 2 SIGTERMed
 
@@ -49,6 +50,22 @@ def wait_started(path: Path, count: int, batch: subprocess.Popen[str]) -> None:
         assert batch.poll() is None, "the batch ended early"
         assert time.monotonic() < deadline, f"fewer than {count} calls started"
         time.sleep(0.02)  # (other processes' file: polled)
+
+
+def wait_running_on(path: Path, pids: set[str], batch: subprocess.Popen[str]) -> None:
+    """Until a call is in its body on a worker of ``pids`` (started, not ended)."""
+    deadline = time.monotonic() + 120
+    while True:
+        lines = ledger_lines(path)
+        ended = {(line[1], line[2]) for line in lines if line[0] == "end"}
+        if any(
+            line[0] == "start" and line[2] in pids and (line[1], line[2]) not in ended
+            for line in lines
+        ):
+            return
+        assert batch.poll() is None, "the batch ended early"
+        assert time.monotonic() < deadline, "no call ran on the node"
+        time.sleep(0.01)  # (other processes' file: polled)
 
 
 @pytest.mark.parametrize("idempotent", [False, True], ids=["plain", "idempotent"])
@@ -82,7 +99,11 @@ def test_three_nodes_behind_haproxy_one_killed_one_drained(
         ports = [n.wait_serving() for n in nodes]
         workers = [{str(p) for p in n.note_descendants()} for n in nodes]
         lines = [
-            {"id": f"c{i}", "tool": "work", "args": {"id": f"c{i}", "seconds": SECONDS}}
+            {
+                "id": f"c{i}",
+                "tool": "work",
+                "args": {"id": f"c{i}", "seconds": LONG if i % 10 == 0 else SECONDS},
+            }
             for i in range(CALLS)
         ]
         (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -111,6 +132,7 @@ def test_three_nodes_behind_haproxy_one_killed_one_drained(
             )
             try:
                 wait_started(ledger, KILL_AT, batch)
+                wait_running_on(ledger, workers[0], batch)
                 killed = nodes[0]
                 os.killpg(killed.proc.pid, signal.SIGKILL)  # the node's whole process group
                 wait_started(ledger, TERM_AT, batch)
