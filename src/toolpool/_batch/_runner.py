@@ -58,7 +58,7 @@ class BatchOptions:
     """What ``toolpool batch`` was asked to do."""
 
     tools: str
-    """``module:attribute`` naming the Registry."""
+    """``module:attribute`` naming the Registry ("" with :attr:`servers`)."""
     input: str
     """The input file: one JSON object per line."""
     output: str
@@ -76,6 +76,11 @@ class BatchOptions:
     a body started, only with ``idempotent``)."""
     cancel_grace: float = 5.0
     term_grace: float = 2.0
+    servers: tuple[str, ...] = ()
+    """MCP endpoints of toolpool services to send the calls to, instead of a pool of this
+    process's own; :attr:`workers` is then how many calls are in flight at once."""
+    token: str | None = None
+    """The bearer token for :attr:`servers`."""
 
 
 @dataclass
@@ -279,13 +284,20 @@ class Batch:
 
     async def _run_pool(self, stream: BinaryIO, tg: anyio.abc.TaskGroup) -> None:
         options = self.options
-        async with Pool(
-            options.tools,
-            workers=options.workers,
-            profile=options.profile,
-            cancel_grace=options.cancel_grace,
-            term_grace=options.term_grace,
-        ) as pool:
+        backend: Any
+        if options.servers:
+            from ._remote import RemotePool
+
+            backend = RemotePool(options.servers, token=options.token, concurrency=options.workers)
+        else:
+            backend = Pool(
+                options.tools,
+                workers=options.workers,
+                profile=options.profile,
+                cancel_grace=options.cancel_grace,
+                term_grace=options.term_grace,
+            )
+        async with backend as pool:
             self._pool = pool
             if self._stopping:
                 return  # interrupted while the workers started
@@ -332,6 +344,9 @@ class Batch:
         # window is MAX_WINDOW; once one has, it is what every worker runs and holds
         # (Pool(prefetch=...)) plus QUEUE_FOR seconds of calls at the rate they settle.
         base = self.options.workers * (pool.prefetch + 2)
+        if self.options.servers:  # (calls in flight over the network: the window is all)
+            base = self.options.workers
+            self._timeouts = True
         window = base  # (while a timeout is in play)
         pending = self._pending
         summary = self.summary
@@ -391,7 +406,7 @@ class Batch:
             settled_since += len(settled)
             now = time.monotonic()
             if now - measured_at >= RATE_EVERY:
-                if self._timeouts:
+                if self._timeouts and not self.options.servers:
                     rate = settled_since / (now - measured_at)
                     window = max(base, min(MAX_WINDOW, int(rate * QUEUE_FOR)))
                 measured_at, settled_since = now, 0
@@ -450,7 +465,16 @@ class Batch:
             del self._groups[job.group]
 
     def _settled(self, pool: Pool, call: Call, job: Job) -> None:
-        result = call.result()
+        try:
+            result = call.result()
+        except ToolpoolError as exc:  # (remote: no server took the call; it never ran)
+            if self.summary.error is None:
+                self.summary.error = f"{type(exc).__name__}: {exc}"
+                self._say(f"stopping: {self.summary.error}")
+            self._stopping = True
+            self._release(job)
+            self.summary.not_recorded += 1
+            return
         outcome = result.outcome
         if (
             outcome in RETRIED
