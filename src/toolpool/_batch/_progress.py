@@ -110,10 +110,10 @@ class LiveProgress(Watcher):
         self._progress = None
 
 
-def print_summary(summary: Summary, stream: IO[str]) -> None:
+def print_summary(summary: Summary, stream: IO[str], *, command: str = "toolpool batch") -> None:
     """The summary as a table (plain text where ``stream`` is not a terminal)."""
     console = Console(file=stream)
-    table = Table(box=box.SIMPLE_HEAD, title=f"toolpool batch: {summary.output}")
+    table = Table(box=box.SIMPLE_HEAD, title=f"{command}: {summary.output}")
     table.add_column("outcome")
     table.add_column("this run", justify="right")
     table.add_column("earlier runs", justify="right")

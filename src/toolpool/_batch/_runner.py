@@ -12,9 +12,9 @@ import resource
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Final, final
+from typing import Any, BinaryIO, Final, Protocol, final
 
 import anyio
 import anyio.abc
@@ -24,10 +24,10 @@ from .._interrupts import EXIT_INTERRUPTED
 from ..core import Outcome, ToolpoolError, UnknownToolError
 from ..sandbox import Profile
 from ..supervisor import Call, Group, Pool
-from ._input import SKIPPED, Job, Rejection, count_lines, read_jobs
+from ._input import SKIPPED, Id, Job, Rejection, count_lines, read_jobs
 from ._output import ResultsFile, call_record, rejection_record
 
-__all__ = ("EXIT_INTERRUPTED", "TICK", "Batch", "BatchOptions", "Summary")
+__all__ = ("EXIT_INTERRUPTED", "TICK", "Batch", "BatchOptions", "Recorder", "Source", "Summary")
 
 #: Seconds between two looks at every call in flight when the oldest is slow.
 TICK: Final = 0.05
@@ -69,6 +69,51 @@ class BatchOptions:
     idempotent: bool = False
     cancel_grace: float = 5.0
     term_grace: float = 2.0
+    allow_background: bool = False
+    """Keep processes a call leaves running (``Pool(allow_background=...)``): for tools that
+    keep a helper of their own and kill what each call started themselves (``toolpool
+    eval``)."""
+
+
+class Source(Protocol):
+    """Where a batch's calls come from (by default, the input file's lines)."""
+
+    def total(self) -> int | None:
+        """How many items there are, for the progress bar; None if unknown."""
+
+    def jobs(
+        self, *, tools: Mapping[str, object], recorded: Container[Id], default_timeout: float | None
+    ) -> Iterator[Job | Rejection | object]:
+        """Each item as a :class:`Job`, a :class:`Rejection`, or ``SKIPPED`` (its id is in
+        ``recorded``), in order."""
+
+    def close(self) -> None:
+        """Release what :meth:`jobs` holds."""
+
+
+class _InputFile:
+    """The input file as a :class:`Source` (docs/batch.md, "Input lines")."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._stream = _open_input(path)
+
+    def total(self) -> int | None:
+        return count_lines(self._path)
+
+    def jobs(
+        self, *, tools: Mapping[str, object], recorded: Container[Id], default_timeout: float | None
+    ) -> Iterator[Job | Rejection | object]:
+        return read_jobs(
+            self._stream, tools=tools, recorded=recorded, default_timeout=default_timeout
+        )
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+#: Makes the record of a settled call: the line to write, and the outcome it counts as.
+Recorder = Callable[[Job, Any], tuple[bytes, str]]
 
 
 @dataclass
@@ -169,12 +214,18 @@ class Batch:
         *,
         say: Callable[[str], None],
         watcher: Watcher | None = None,
+        source: Source | None = None,
+        record: Recorder = call_record,
     ) -> None:
+        """``source`` replaces the input file (``options.input`` then only names it in the
+        summary); ``record`` makes each call's record (:func:`call_record` by default)."""
         if options.retries < 0:
             raise ValueError(f"retries must be 0 or more, got {options.retries}")
         self.options = options
         self.summary = Summary(input=options.input, output=options.output)
         self._say = say
+        self._source = source
+        self._record = record
         self._watcher = watcher or Watcher()
         self._pool: Pool | None = None
         self._pending: dict[Call, Job] = {}
@@ -214,18 +265,18 @@ class Batch:
     async def run(self) -> Summary:
         """Run the batch to its end (or its interruption); the summary."""
         options = self.options
-        stream = _open_input(options.input)
+        source = self._source if self._source is not None else _InputFile(options.input)
         try:
             results = ResultsFile(options.output, say=self._say)
             try:
                 self.summary.previous = results.previous.outcomes
-                self.summary.total = count_lines(options.input)
+                self.summary.total = source.total()
                 failure: list[Exception] = []
                 with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._watch_signals, signals)
                         try:
-                            await self._run_pool(stream, results, tg)
+                            await self._run_pool(source, results, tg)
                         except Exception as exc:  # kept out of the task group's exception group
                             failure.append(exc)
                         finally:
@@ -235,14 +286,14 @@ class Batch:
             finally:
                 results.close()
         finally:
-            stream.close()
+            source.close()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self.summary.peak_rss_mib = usage.ru_maxrss / 1024
         self.summary.interrupted = self._interrupts > 0
         return self.summary
 
     async def _run_pool(
-        self, stream: BinaryIO, results: ResultsFile, tg: anyio.abc.TaskGroup
+        self, source: Source, results: ResultsFile, tg: anyio.abc.TaskGroup
     ) -> None:
         options = self.options
         async with Pool(
@@ -251,13 +302,13 @@ class Batch:
             profile=options.profile,
             cancel_grace=options.cancel_grace,
             term_grace=options.term_grace,
+            allow_background=options.allow_background,
         ) as pool:
             self._pool = pool
             self._known_rejections = results.previous.rejections
             if self._stopping:
                 return  # interrupted while the workers started
-            jobs = read_jobs(
-                stream,
+            jobs = source.jobs(
                 tools=pool.catalog,
                 recorded=results.previous.ids,
                 default_timeout=options.timeout,
@@ -418,7 +469,7 @@ class Batch:
         if self._stopping and outcome in UNSTARTED_BY_STOP and result.body_started is False:
             self.summary.not_recorded += 1
             return
-        data, recorded = call_record(job, result)
+        data, recorded = self._record(job, result)
         self._out.append(data)
         self._outcomes.append(recorded)
 
