@@ -1,6 +1,6 @@
 """The example's problems and samples in HumanEval's format, for ``toolpool eval``.
 
-``python examples/codeeval/humaneval.py DIR`` writes ``DIR/problems.jsonl`` (``task_id``,
+``python -m examples.codeeval.humaneval DIR`` (from the repository's root) writes ``DIR/problems.jsonl`` (``task_id``,
 ``prompt``, ``test`` defining ``check(candidate)``, ``entry_point``) and ``DIR/samples.jsonl``
 (``task_id``, ``completion``, in the order of ``completions.COMPLETIONS``). Each problem's
 ``check`` calls the candidate with each test's arguments and compares what comes back with
@@ -19,11 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the example importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from examples.codeeval.completions import COMPLETIONS
-from examples.codeeval.problems import PROBLEMS, Problem, same
+from .completions import COMPLETIONS
+from .problems import PROBLEMS, Problem, same
 
 __all__ = ("main", "problem_record", "problem_records", "sample_records")
 
@@ -45,7 +42,7 @@ def problem_record(problem: Problem) -> dict[str, str]:
             "",
             "def check(candidate):",
             "    for args, expected in TESTS:",
-            f"        got = candidate(*args)",
+            "        got = candidate(*args)",
             f"        assert _same(got, expected, {problem.compare!r}), (args, got)",
             "",
         ]
@@ -74,7 +71,7 @@ def sample_records() -> list[dict[str, str]]:
 def main(argv: list[str]) -> int:
     """Write problems.jsonl and samples.jsonl into the directory ``argv[0]``."""
     if len(argv) != 1:
-        print("usage: python examples/codeeval/humaneval.py DIR", file=sys.stderr)
+        print("usage: python -m examples.codeeval.humaneval DIR", file=sys.stderr)
         return 2
     directory = Path(argv[0])
     directory.mkdir(parents=True, exist_ok=True)
