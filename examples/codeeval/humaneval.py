@@ -1,8 +1,9 @@
 """The example's problems and samples in HumanEval's format, for ``toolpool eval``.
 
-``python -m examples.codeeval.humaneval DIR`` (from the repository's root) writes ``DIR/problems.jsonl`` (``task_id``,
-``prompt``, ``test`` defining ``check(candidate)``, ``entry_point``) and ``DIR/samples.jsonl``
-(``task_id``, ``completion``, in the order of ``completions.COMPLETIONS``). Each problem's
+``python -m examples.codeeval.humaneval DIR`` (from the repository's root) writes
+``DIR/problems.jsonl`` (``task_id``, ``prompt``, ``test`` defining ``check(candidate)``,
+``entry_point``) and ``DIR/samples.jsonl`` (``task_id``, ``completion``, in the order of
+``completions.COMPLETIONS``). Each problem's
 ``check`` calls the candidate with each test's arguments and compares what comes back with
 :func:`problems.same` (its source is part of the test), so the verdicts are the example's.
 Then::
