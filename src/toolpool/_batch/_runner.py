@@ -46,6 +46,10 @@ RETRIED: Final = frozenset({Outcome.WORKER_LOST, Outcome.KILLED})
 #: Outcomes of a call the interrupt stopped before its body started: not recorded, so that a
 #: resumed run makes the call (nothing ran; nothing is lost).
 UNSTARTED_BY_STOP: Final = frozenset({Outcome.ABORTED_BEFORE_DISPATCH, Outcome.KILLED})
+#: Outcomes of a call the interrupt cut short: with ``rerun_interrupted``, not recorded.
+CUT_SHORT_BY_STOP: Final = frozenset(
+    {Outcome.ABORTED_BEFORE_DISPATCH, Outcome.ABORTED, Outcome.KILLED}
+)
 
 
 @final
@@ -69,6 +73,10 @@ class BatchOptions:
     idempotent: bool = False
     cancel_grace: float = 5.0
     term_grace: float = 2.0
+    rerun_interrupted: bool = False
+    """A call the stop (Ctrl-C, SIGTERM) cut short is not recorded even if its body started
+    (it ended ``aborted`` or ``killed``): the next run makes it again. For tools whose result
+    is worth nothing unfinished and that may run twice (``toolpool eval``)."""
     allow_background: bool = False
     """Keep processes a call leaves running (``Pool(allow_background=...)``): for tools that
     keep a helper of their own and kill what each call started themselves (``toolpool
@@ -466,7 +474,10 @@ class Batch:
             self.summary.retries += 1
             return
         self._release(job)
-        if self._stopping and outcome in UNSTARTED_BY_STOP and result.body_started is False:
+        if self._stopping and (
+            (outcome in UNSTARTED_BY_STOP and result.body_started is False)
+            or (self.options.rerun_interrupted and outcome in CUT_SHORT_BY_STOP)
+        ):
             self.summary.not_recorded += 1
             return
         data, recorded = self._record(job, result)

@@ -112,7 +112,7 @@ class Candidate:
             self.fault = exc
             raise
         if reply.get("n") != n:
-            self.fault = Broken(f"answered {_show(reply)} to call {n}")
+            self.fault = Broken(f"answered {_show(reply)}")
             raise self.fault
         if "value" in reply:
             try:
@@ -126,7 +126,7 @@ class Candidate:
         if "not_data" in reply:
             kind = _show(reply["not_data"])
             raise TypeError(f"the candidate returned a {kind}, which is not data")
-        self.fault = Broken(f"answered {_show(reply)} to call {n}")
+        self.fault = Broken(f"answered {_show(reply)}")
         raise self.fault
 
     def __repr__(self) -> str:

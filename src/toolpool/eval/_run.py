@@ -292,6 +292,7 @@ async def run(
         cancel_grace=cancel_grace,
         term_grace=term_grace,
         allow_background=True,  # the workers' zygotes; the checker kills each sample's tree
+        rerun_interrupted=True,  # a sample cut short by Ctrl-C has no verdict: run it again
     )
     batch = Batch(options, say=say, watcher=watcher, source=source, record=source.record)
     summary = await batch.run()
