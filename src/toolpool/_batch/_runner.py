@@ -73,6 +73,8 @@ class BatchOptions:
     idempotent: bool = False
     cancel_grace: float = 5.0
     term_grace: float = 2.0
+    prefetch: int | None = None
+    """``Pool(prefetch=...)``: None, the pool's default."""
     rerun_interrupted: bool = False
     """A call the stop (Ctrl-C, SIGTERM) cut short is not recorded even if its body started
     (it ended ``aborted`` or ``killed``): the next run makes it again. For tools whose result
@@ -311,6 +313,7 @@ class Batch:
             cancel_grace=options.cancel_grace,
             term_grace=options.term_grace,
             allow_background=options.allow_background,
+            prefetch=options.prefetch,
         ) as pool:
             self._pool = pool
             self._known_rejections = results.previous.rejections

@@ -28,10 +28,13 @@ __all__ = ("TOOLS", "EvalReport", "ProblemScore", "evaluate", "run")
 #: The tools module the workers load.
 TOOLS: Final = "toolpool.eval._checker:registry"
 _TOOL: Final = "check_sample"
-#: Seconds a call may take beyond the sample's time limit before the pool stops it (the
-#: checker stops the child itself at the limit; this bounds the trusted ``check``'s own time).
+#: Seconds a call may take beyond its sample's time limit, and those of the samples it may
+#: wait behind in a worker's queue, before the pool stops it (the checker stops the child
+#: itself at the limit; this bounds the trusted ``check``'s own time).
 CALL_SLACK: Final = 30.0
 DEFAULT_K: Final = (1, 10, 100)
+#: Samples a busy worker may hold behind the one it scores (see :func:`run`).
+PREFETCH: Final = 2
 _VERDICTS: Final = ("passed", "failed", "error", "timeout")
 
 
@@ -149,7 +152,8 @@ class _Samples:
                 "allow_weak_jail": self._weak,
             }
             self.task_of[index] = problem.task_id
-            yield Job(number, index, _TOOL, args, self._time_limit + CALL_SLACK, None)
+            timeout = self._time_limit * (PREFETCH + 1) + CALL_SLACK
+            yield Job(number, index, _TOOL, args, timeout, None)
 
     def close(self) -> None:
         self._stream.close()
@@ -293,6 +297,11 @@ async def run(
         term_grace=term_grace,
         allow_background=True,  # the workers' zygotes; the checker kills each sample's tree
         rerun_interrupted=True,  # a sample cut short by Ctrl-C has no verdict: run it again
+        # A worker takes up its next sample without a round trip to the supervisor. (The
+        # queue-behind-leftovers reason for 0 under `untrusted` does not hold: the completion
+        # runs in the jailed child, never in the worker.) Small, since a call's timeout counts
+        # from its submission: a call waits behind at most PREFETCH samples' time limits.
+        prefetch=PREFETCH,
     )
     batch = Batch(options, say=say, watcher=watcher, source=source, record=source.record)
     summary = await batch.run()

@@ -6,6 +6,7 @@ sandbox. Detected by trying the syscall: /sys/kernel/security need not be mounte
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 from typing import Any
@@ -54,6 +55,7 @@ class _PathBeneathAttr(ctypes.Structure):
     _fields_ = (("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32))
 
 
+@functools.cache
 def _libc() -> Any:
     return ctypes.CDLL(None, use_errno=True)
 
