@@ -68,28 +68,20 @@ def _body(code: str) -> str:
     return textwrap.indent(textwrap.dedent(code).strip("\n") + "\n", "    ")
 
 
+# Walks up to the harness's frame and appends "passed" to its result list.
+_FORGE = _body("""
+    import sys
+    frame = sys._getframe()
+    while frame is not None:
+        found = frame.f_locals.get("result")
+        if found is not None and hasattr(found, "append"):
+            found.append("passed")
+        frame = frame.f_back
+    """)
 # Bodies that work in any HumanEval function. Each is wrong (or forges), never correct.
 HOSTILE = {
-    "forges-through-frames": _body("""
-        import sys
-        frame = sys._getframe()
-        while frame is not None:
-            found = frame.f_locals.get("result")
-            if found is not None and hasattr(found, "append"):
-                found.append("passed")
-            frame = frame.f_back
-        raise SystemExit(0)
-        """),
-    "forges-then-exits": _body("""
-        import sys, posix
-        frame = sys._getframe()
-        while frame is not None:
-            found = frame.f_locals.get("result")
-            if found is not None and hasattr(found, "append"):
-                found.append("passed")
-            frame = frame.f_back
-        posix._exit(0)
-        """),
+    "forges-through-frames": _FORGE + _body("raise SystemExit(0)"),
+    "forges-then-exits": _FORGE + _body("import posix\nposix._exit(0)"),
     "os-exit": _body("""
         import posix
         posix._exit(0)

@@ -233,6 +233,23 @@ def _wait_for_records(results: Path, at_least: int, process: subprocess.Popen[st
     raise AssertionError(f"fewer than {at_least} records in 120 s")
 
 
+def _stop_after(argv: list[str], results: Path, records: int, signum: int) -> tuple[int, str, str]:
+    """Run ``argv``; once ``results`` holds ``records`` records, send it ``signum``; its exit
+    status and output."""
+    process = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for_records(results, records, process)
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return process.returncode, out, err
+
+
 def _wait_for_no_strays() -> None:
     """After a SIGKILL of the eval process, its reaper ends the pool's trees: wait for it."""
     deadline = time.monotonic() + 60
@@ -264,18 +281,8 @@ def test_the_command_resumes_after_sigint_and_after_sigkill(tmp_path: Path) -> N
     ]
 
     # Ctrl-C: the calls are cancelled; what settled is recorded; exit 130.
-    first = subprocess.Popen(
-        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        _wait_for_records(results, 2, first)
-        first.send_signal(signal.SIGINT)
-        out, err = first.communicate(timeout=60)
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
-    assert first.returncode == 130, err
+    status, out, err = _stop_after(argv, results, 2, signal.SIGINT)
+    assert status == 130, err
     assert json.loads(out)["interrupted"] is True
     records = _records(results)
     after_interrupt = len(records)
@@ -285,17 +292,8 @@ def test_the_command_resumes_after_sigint_and_after_sigkill(tmp_path: Path) -> N
     assert _strays() == []
 
     # SIGKILL: nothing recorded is lost; the next run resumes.
-    second = subprocess.Popen(
-        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        _wait_for_records(results, after_interrupt + 2, second)
-        second.kill()
-        second.communicate(timeout=60)
-    finally:
-        if second.poll() is None:
-            second.kill()
-            second.wait()
+    status, _, _ = _stop_after(argv, results, after_interrupt + 2, signal.SIGKILL)
+    assert status == -signal.SIGKILL
     _wait_for_no_strays()
     recorded = len(_records(results))
     assert recorded < count
