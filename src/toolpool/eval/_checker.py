@@ -13,10 +13,8 @@ from __future__ import annotations
 import builtins
 import functools
 import math
-import os
 import shutil
 import tempfile
-import threading
 import time
 import traceback
 from types import CodeType
@@ -24,7 +22,7 @@ from typing import Any, Final, Literal, TypedDict
 
 from ..worker import Registry, ToolExecution, forget_helper, keep_helper
 from . import _wire
-from ._zygote import Broken, Cancelled, Child, TimedOut, Zygote, describe_status
+from ._zygote import Broken, Cancelled, Child, TimedOut, Wake, Zygote, describe_status
 
 __all__ = ("CandidateError", "Candidate", "SampleVerdict", "check_sample", "registry")
 
@@ -165,31 +163,6 @@ def _jail_problem(report: dict[str, Any]) -> str | None:
     return None
 
 
-class _Wake:
-    """A pipe the call's cancel callback writes to, so that a wait on the child wakes at once.
-    The callback runs in the cancelling thread, possibly while the body closes the pipe: the
-    lock keeps it from writing to a closed (or reused) descriptor."""
-
-    def __init__(self) -> None:
-        self.fd, self._w = os.pipe()
-        self._lock = threading.Lock()
-        self._open = True
-
-    def poke(self, _cause: object) -> None:
-        with self._lock:
-            if self._open:
-                try:
-                    os.write(self._w, b"!")
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        with self._lock:
-            self._open = False
-            os.close(self.fd)
-            os.close(self._w)
-
-
 _zygote: Zygote | None = None
 
 
@@ -229,7 +202,7 @@ def check_sample(
     prompt_code, test_code = _compiled(prompt, test)
     started = time.monotonic()
     deadline = started + time_limit
-    wake = _Wake()
+    wake = Wake()
     handle = execution.signal.add_callback(wake.poke)
     directory = tempfile.mkdtemp(prefix="toolpool-eval-")
     child: Child | None = None

@@ -21,13 +21,23 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Final
 
 from . import _wire
 
-__all__ = ("Broken", "Cancelled", "Child", "TimedOut", "Zygote", "below", "kill_new_processes")
+__all__ = (
+    "Broken",
+    "Cancelled",
+    "Child",
+    "TimedOut",
+    "Wake",
+    "Zygote",
+    "below",
+    "kill_new_processes",
+)
 
 #: The longest line the child may send (a longer one is a protocol error: bounded memory).
 MAX_REPLY: Final = 1 << 20
@@ -238,6 +248,31 @@ class Child:
         finally:
             os.close(self._pidfd)
             kill_new_processes(self.before)
+
+
+class Wake:
+    """A pipe the call's cancel callback writes to, so that a wait on the child wakes at once.
+    The callback runs in the cancelling thread, possibly while the body closes the pipe: the
+    lock keeps it from writing to a closed (or reused) descriptor."""
+
+    def __init__(self) -> None:
+        self.fd, self._w = os.pipe()
+        self._lock = threading.Lock()
+        self._open = True
+
+    def poke(self, _cause: object) -> None:
+        with self._lock:
+            if self._open:
+                try:
+                    os.write(self._w, b"!")
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._open = False
+            os.close(self.fd)
+            os.close(self._w)
 
 
 def describe_status(status: int | None) -> str:
