@@ -15,7 +15,7 @@ tqdm, fire).
 Three sets of samples are written from the dataset:
 
 - ``canonical``: every problem's canonical solution, ``--copies`` times;
-- ``wrong``: ``return None`` for every problem;
+- ``wrong``: ``return None`` for every problem, ``--wrong-copies`` times;
 - ``hostile``: attacks on the first ``--hostile`` problems (a forged result through the
   harness's frames, ``os._exit``, a ``setsid`` double-fork daemon, a small fork bomb, a 1 GiB
   allocation, one sample that sleeps), and a correct ``add`` that uses ``os.fork`` where the
@@ -137,13 +137,19 @@ def read_dataset(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def sample_sets(problems: list[dict[str, Any]], copies: int, hostile: int) -> dict[str, Any]:
+def sample_sets(
+    problems: list[dict[str, Any]], copies: int, wrong_copies: int, hostile: int
+) -> dict[str, Any]:
     """{set name: [(task_id, completion, should pass)]}."""
     sets: dict[str, list[tuple[str, str, bool]]] = {
         "canonical": [
             (p["task_id"], p["canonical_solution"], True) for _ in range(copies) for p in problems
         ],
-        "wrong": [(p["task_id"], "    return None\n", False) for p in problems],
+        "wrong": [
+            (p["task_id"], "    return None\n", False)
+            for _ in range(wrong_copies)
+            for p in problems
+        ],
         "hostile": [],
     }
     for p in problems[:hostile]:
@@ -268,13 +274,14 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3.0)
     parser.add_argument("--copies", type=int, default=5, help="canonical samples per problem")
+    parser.add_argument("--wrong-copies", type=int, default=1, help="wrong samples per problem")
     parser.add_argument("--hostile", type=int, default=10, help="problems attacked")
     parser.add_argument("--sets", default="canonical,wrong,hostile")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     problems = read_dataset(args.dataset)
-    sets = sample_sets(problems, args.copies, args.hostile)
+    sets = sample_sets(problems, args.copies, args.wrong_copies, args.hostile)
     rows: list[dict[str, Any]] = []
     for n in range(args.rounds):
         for name in args.sets.split(","):

@@ -492,3 +492,40 @@ def test_only_data_crosses_the_jail() -> None:
             decode(forged)
     with pytest.raises(NotData):
         loads(b"9" * 5000)  # more digits than int() takes
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_an_incomplete_jail_runs_nothing_unless_allowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where a layer could not be applied (here: the zygote says its capabilities could not
+    be dropped), the completion is not run: ``error``; with ``allow_weak_jail`` it runs, and
+    the verdict says what was missing."""
+    from toolpool import CancelController
+    from toolpool.eval import _checker
+    from toolpool.eval._zygote import Zygote
+
+    zygote = Zygote()
+    zygote.failures = ["capabilities: OSError: capset failed"]
+    monkeypatch.setattr(_checker, "_warm_zygote", lambda: zygote)
+    problem = eval_set.PROBLEMS[0]
+    args = {
+        "prompt": problem["prompt"],
+        "test": problem["test"],
+        "entry_point": problem["entry_point"],
+        "completion": "    return a + b\n",
+    }
+    try:
+        signal_ = CancelController().signal
+        refused = await _checker.registry.execute("check_sample", args, signal=signal_)
+        allowed = await _checker.registry.execute(
+            "check_sample", {**args, "allow_weak_jail": True}, signal=signal_
+        )
+    finally:
+        zygote.close()
+    assert refused.value["verdict"] == "error"
+    assert "jail is incomplete: capabilities" in refused.value["detail"]
+    assert refused.value["calls"] == 0
+    assert allowed.value["verdict"] == "passed"
+    assert any(j.startswith("incomplete: capabilities") for j in allowed.value["jail"])

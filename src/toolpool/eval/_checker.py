@@ -152,14 +152,14 @@ def _where(exc: BaseException, test: str) -> str:
     return where
 
 
-def _jail_problem(report: dict[str, Any]) -> str | None:
-    """Why the child's confinement is not enough, or None. (Its word, before the completion
-    ran.)"""
+def _jail_problem(report: dict[str, Any], inherited: list[str]) -> str | None:
+    """Why the child's confinement is not enough, or None. (Its word, and the zygote's it
+    inherits, before the completion ran.)"""
     jail, failures = report.get("jail"), report.get("failures")
     if not isinstance(jail, list) or not isinstance(failures, list):
         return "the child did not report its confinement"
-    if failures:
-        return "; ".join(str(f) for f in failures)
+    if failures or inherited:
+        return "; ".join(str(f) for f in [*inherited, *failures])
     return None
 
 
@@ -271,8 +271,9 @@ def _evaluate(
 ) -> None:
     forked = time.monotonic()
     report = child.receive(deadline)
-    jail = verdict["jail"] = [str(j) for j in report.get("jail") or []]
-    weak = _jail_problem(report)
+    inherited, inherited_failures = child.inherited
+    jail = verdict["jail"] = [*inherited, *(str(j) for j in report.get("jail") or [])]
+    weak = _jail_problem(report, inherited_failures)
     if weak is not None and not allow_weak_jail:
         verdict["detail"] = f"the completion's jail is incomplete: {weak}"
         return

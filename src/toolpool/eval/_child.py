@@ -9,9 +9,10 @@ a unix socket from its worker. For each request it forks a child, which:
 1. leaves the zygote's socket and session behind (``setsid``), asks for SIGKILL should the
    zygote die, and changes to its empty scratch directory;
 2. confines itself for good: rlimits (address space, CPU seconds, file size, open files, no
-   core dumps), every capability dropped, no new privileges, and Landlock (it may read only
-   the standard library and the system's shared libraries, write only its directory, make no
-   TCP connection; ABI 6+: signal no process and reach no abstract socket outside);
+   core dumps) and Landlock (it may read only the standard library and the system's shared
+   libraries, write only its directory, make no TCP connection; ABI 6+: signal no process and
+   reach no abstract socket outside). It has no capabilities and no new privileges already:
+   the zygote dropped them for itself once, at its start, and every fork inherits that;
 3. reports what it did on its reply pipe; only then does the worker send the source (the
    problem's prompt and the completion) and the name of the function;
 4. answers one call per request line, ``{"n", "args", "kwargs"}``, with ``{"n", "value"}``,
@@ -188,24 +189,29 @@ def _describe(exc: BaseException) -> dict[str, str]:
     return {"raised": type(exc).__name__, "message": message}
 
 
-def _child(pipe: _Pipe, config: dict[str, Any], readable: list[str]) -> None:
-    """The forked child: jail, report, load the source, answer calls."""
-    os.setsid()
-    _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    os.chdir(config["directory"])
+def _apply(steps: tuple[tuple[str, Callable[[], str]], ...]) -> tuple[list[str], list[str]]:
+    """Run each step; what they applied, and why those that failed did."""
     jail: list[str] = []
     failures: list[str] = []
-    steps: tuple[tuple[str, Callable[[], str]], ...] = (
-        ("rlimits", lambda: _set_limits(config)),
-        ("capabilities", _drop_capabilities),
-        ("no_new_privs", _no_new_privileges),
-        ("landlock", lambda: _landlock(config["directory"], readable)),
-    )
     for name, step in steps:
         try:
             jail.append(step())
         except Exception as exc:  # reported: the worker decides whether that is acceptable
             failures.append(f"{name}: {type(exc).__name__}: {exc}")
+    return jail, failures
+
+
+def _child(pipe: _Pipe, config: dict[str, Any], readable: list[str]) -> None:
+    """The forked child: jail, report, load the source, answer calls."""
+    os.setsid()
+    _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.chdir(config["directory"])
+    jail, failures = _apply(
+        (
+            ("rlimits", lambda: _set_limits(config)),
+            ("landlock", lambda: _landlock(config["directory"], readable)),
+        )
+    )
     pipe.send({"jail": jail, "failures": failures, "readable": readable})
     program = pipe.receive()  # only once the worker accepted the jail
     if program is None:
@@ -259,7 +265,12 @@ def zygote(control: int, parent: int) -> None:
     gc.collect()
     gc.freeze()  # (the children's collector leaves the zygote's objects, and their pages, be)
     sock = socket.socket(fileno=control)
-    sock.send(_wire.dumps({"ready": os.getpid()}))
+    # What every child would do the same way is done once, here, and inherited: no
+    # capabilities (the zygote needs none: it forks and reaps) and no new privileges.
+    jail, failures = _apply(
+        (("capabilities", _drop_capabilities), ("no_new_privs", _no_new_privileges))
+    )
+    sock.send(_wire.dumps({"ready": os.getpid(), "jail": jail, "failures": failures}))
     while True:
         data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 2)
         if not data:

@@ -109,6 +109,9 @@ class Zygote:
         if ready.get("ready") != self.process.pid:
             self.close()
             raise RuntimeError(f"the zygote did not start: {ready!r}")
+        self.jail = [str(j) for j in ready.get("jail") or []]
+        """The layers the zygote applied to itself, which every child inherits."""
+        self.failures = [str(f) for f in ready.get("failures") or []]
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -152,6 +155,8 @@ class Child:
 
     def __init__(self, zygote: Zygote, config: dict[str, Any], wake: int) -> None:
         self._zygote = zygote
+        self.inherited = (zygote.jail, zygote.failures)
+        """The zygote's layers and failures, which the child inherits."""
         self._buffer = bytearray()
         self._wake = wake
         self.before = set(below(os.getpid()))
