@@ -250,6 +250,8 @@ class Child:
             pass
         try:
             self.status = self._zygote.reap(self.pid)
+        except (RuntimeError, OSError):  # the zygote is gone: the child was reparented to
+            pass  # this process (a subreaper in a pool), and the loop below reaps it
         finally:
             os.close(self._pidfd)
             kill_new_processes(self.before)
