@@ -529,3 +529,14 @@ async def test_an_incomplete_jail_runs_nothing_unless_allowed(
     assert refused.value["calls"] == 0
     assert allowed.value["verdict"] == "passed"
     assert any(j.startswith("incomplete: capabilities") for j in allowed.value["jail"])
+
+
+def test_the_public_names_are_there() -> None:
+    import toolpool.eval
+    import toolpool.worker
+
+    assert isinstance(toolpool.eval.__all__, tuple)
+    for name in toolpool.eval.__all__:
+        assert getattr(toolpool.eval, name) is not None, name
+    assert callable(toolpool.worker.keep_helper)
+    assert callable(toolpool.worker.forget_helper)

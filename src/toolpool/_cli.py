@@ -313,7 +313,7 @@ async def _eval(ns: argparse.Namespace) -> int:
         allow_weak_jail=ns.allow_weak_jail,
         cancel_grace=ns.cancel_grace,
         term_grace=ns.term_grace,
-        watcher=None if ns.no_progress else LiveProgress(sys.stderr),
+        watcher=None if ns.no_progress else LiveProgress(sys.stderr, label="eval"),
     )
     if ns.json:
         print_report_json(report, sys.stdout)

@@ -64,8 +64,9 @@ class LiveProgress(Watcher):
     """A rich progress bar: done of total, rate, ETA, counts by outcome, in flight and
     queued. Refreshed by the batch a few times a second (never from a thread of its own)."""
 
-    def __init__(self, stream: IO[str]) -> None:
+    def __init__(self, stream: IO[str], *, label: str = "batch") -> None:
         self._console = Console(file=stream)
+        self._label = label
         self._progress: _TwoLines | None = None
         self._task: TaskID | None = None
 
@@ -78,7 +79,7 @@ class LiveProgress(Watcher):
         if not self.active:
             return
         self._progress = _TwoLines(
-            TextColumn("[bold]batch"),
+            TextColumn(f"[bold]{self._label}"),
             BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
