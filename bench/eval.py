@@ -52,7 +52,7 @@ import psutil
 
 BENCH = Path(__file__).resolve().parent
 #: In the command line of the zygotes of toolpool's workers and every process forked from one.
-TOOLPOOL_MARKS = ("_tp.eval._child", "toolpool.worker", "toolpool.reaper", "toolpool/reaper")
+TOOLPOOL_MARKS = ("_tp.eval._child",)
 
 HARNESS_SCRIPT = """\
 # {mark}
@@ -169,22 +169,23 @@ def _started_after(proc: psutil.Process, start: float) -> bool:
         return False
 
 
-def leftovers(marks: tuple[str, ...], start: float, orphans_only: bool) -> list[psutil.Process]:
-    """Processes created since ``start`` whose command line has one of ``marks``; with
-    ``orphans_only``, only those no process older than ``start`` (but init) is above: the
-    trees of a command that has exited, not another run's pools."""
+def leftovers(marks: tuple[str, ...], start: float, command: int | None) -> list[psutil.Process]:
+    """Processes created since ``start`` whose command line has one of ``marks`` or, with
+    ``command`` (toolpool's pid), that are its pool's: its reaper (``reaper/_main.py PID``)
+    and the reaper's workers (``--parent-pid REAPER``). Other runs on this machine, other
+    test suites' workers among them, do not count."""
+    recent = [p for p in psutil.process_iter(["cmdline"]) if _started_after(p, start)]
+    lines = {p.pid: " ".join(p.info.get("cmdline") or []) for p in recent}
+    reapers = {p.pid for p in recent if command and f"reaper/_main.py {command} " in lines[p.pid]}
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info.get("cmdline") or [])
-        if not any(m in cmdline for m in marks) or not _started_after(proc, start):
-            continue
-        try:
-            parents = proc.parents()
-        except psutil.Error:
-            continue
-        if orphans_only and any(p.pid != 1 and not _started_after(p, start) for p in parents):
-            continue
-        found.append(proc)
+    for proc in recent:
+        line = lines[proc.pid]
+        if (
+            any(m in line for m in marks)
+            or proc.pid in reapers
+            or any(line.endswith(f"--parent-pid {r}") for r in reapers)
+        ):
+            found.append(proc)
     return found
 
 
@@ -216,27 +217,33 @@ def run_one(
             "-o", str(work / "results.jsonl"), "--workers", str(args.workers),
             "--time-limit", str(args.timeout), "-k", "1", "--json", "--no-progress",
         ]  # fmt: skip
-        marks, orphans_only = TOOLPOOL_MARKS, True
+        marks = TOOLPOOL_MARKS
     else:
         argv = [
             args.harness_python, "-c", HARNESS_SCRIPT.format(mark=mark), str(sample_file),
             args.dataset, str(args.workers), str(args.timeout),
         ]  # fmt: skip
         env["PYTHONPATH"] = args.harness
-        marks, orphans_only = (mark,), False
+        marks = (mark,)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()
     t0 = time.perf_counter()
     # Output to files, not pipes: a daemon that inherited a pipe would hold the run open.
     with open(work / "stdout", "w+") as out, open(work / "stderr", "w+") as err:
-        done = subprocess.run(argv, env=env, stdout=out, stderr=err, timeout=3600, check=False)
+        done = subprocess.Popen(argv, env=env, stdout=out, stderr=err)
+        try:
+            done.wait(timeout=3600)
+        finally:
+            if done.poll() is None:
+                done.kill()
+                done.wait()
         wall = time.perf_counter() - t0
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    left = leftovers(marks, start, orphans_only)
+    left = leftovers(marks, start, done.pid if system == "toolpool" else None)
     left_dirs = sorted(p.name for p in tmp.iterdir())
     end(left)
     if done.returncode != 0:
@@ -247,8 +254,8 @@ def run_one(
         by_id = {r["id"]: r["passed"] for r in records if "passed" in r}
         passed = [by_id.get(i, False) for i in range(len(samples))]
     else:
-        out = Path(str(sample_file) + "_results.jsonl")
-        passed = [json.loads(x)["passed"] for x in out.read_text().splitlines()]
+        harness_results = Path(str(sample_file) + "_results.jsonl")
+        passed = [json.loads(x)["passed"] for x in harness_results.read_text().splitlines()]
     shutil.rmtree(work, ignore_errors=True)
     should = [s for _, _, s in samples]
     return {
