@@ -83,6 +83,9 @@ EXIT_CLEANUP_BUDGET = 2.0
 #: (uninterruptible sleep) lingers, keeps its trees from being reported gone, and is reaped
 #: whenever it dies.
 ORPHAN_WAIT = 1.0
+#: Seconds a worker's exit is held back while the rest of its tree dies, to be reported with its
+#: ``gone`` (one report); past that, it is reported alone first.
+EXIT_REPORT_WAIT = 0.05
 #: Seconds to wait at exit for the killed workers to die; what is still alive then is named
 #: in ``bye`` (``unkillable``).
 EXIT_KILL_WAIT = 2.0
@@ -404,11 +407,10 @@ class Reaper:
         reported gone (``stuck``), however long that takes."""
         deadline = time.monotonic() + ORPHAN_WAIT
         while True:
-            orphans = [
-                pid
-                for pid in trees.child_pids()
-                if pid not in self.workers and pid not in self.lingering
-            ]
+            children = linux.child_pids()
+            if children is None:  # (a kernel without the file: a scan of /proc)
+                children = [p.pid for p in trees.children(os.getpid())]
+            orphans = [p for p in children if p not in self.workers and p not in self.lingering]
             if not orphans:
                 break
             killed: set[int] | None = None  # the members of the cgroups killed already
@@ -516,6 +518,7 @@ class Reaper:
         """Reap the (killed) orphans, waiting until ``deadline`` at most (on their pidfds:
         woken as one dies); return those still alive then."""
         pending = orphans
+        report_by = time.monotonic() + EXIT_REPORT_WAIT
         while True:
             alive = []
             for orphan in pending:
@@ -529,12 +532,15 @@ class Reaper:
                 wid = self.workers.pop(pid, None)
                 if wid is not None:  # cannot happen (workers are not orphans): be truthful
                     self._exited(wid, pid, os.waitstatus_to_exitcode(status))
-            left = deadline - time.monotonic()
-            if not alive or left <= 0:
+            now = time.monotonic()
+            if not alive or now >= deadline:
                 return alive
-            # A tree that takes its time: its worker's exit is not held back meanwhile.
-            self._report_exits()
-            trees.wait_any_dead(alive, left)  # a killed process is gone within moments (or never)
+            if self.exits and now >= report_by:
+                # A tree that takes its time: its worker's exit is not held back longer.
+                self._report_exits()
+            until = report_by if self.exits else deadline
+            # A killed process is gone within moments (or never).
+            trees.wait_any_dead(alive, min(until, deadline) - now)
             pending = alive
 
     # ---- main loop

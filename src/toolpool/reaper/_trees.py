@@ -2,7 +2,7 @@
 reaper loads this file by path, see ``_main.py``).
 
 Two ways to find processes. The reaper's own children are read from
-``/proc/self/task/*/children`` (:func:`child_pids`): a few bytes, however many processes the
+``/proc/self/task/*/children`` (``_linux.child_pids``): a few bytes, however many processes the
 machine runs, and exact here, since only the reaper removes entries from that list (it is
 single-threaded and the only one that reaps its children), while new ones are only appended.
 A worker's descendants are found by psutil (:func:`descendants`), which reads all of
@@ -25,19 +25,6 @@ if TYPE_CHECKING:
 #: worker, and a clean-up for the leftovers it killed (one that does not die, in
 #: uninterruptible sleep, must not hold the reaper up).
 KILL_TREE_WAIT = 0.5
-
-
-def child_pids() -> list[int]:
-    """The pids of this process's children, zombies included (``/proc/self/task/*/children``,
-    or psutil's scan of ``/proc`` where the kernel has no such file)."""
-    pids: list[int] = []
-    try:
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/children", "rb") as f:
-                pids.extend(int(p) for p in f.read().split())
-    except FileNotFoundError:  # a kernel without CONFIG_PROC_CHILDREN
-        return [p.pid for p in children(os.getpid())]
-    return pids
 
 
 def state_of(pid: int) -> str | None:
