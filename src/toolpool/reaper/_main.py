@@ -1,7 +1,8 @@
 """The pool's reaper: a small trusted process between the supervisor and its workers.
 
-Run as a script (``python -P reaper/_main.py SUPERVISOR_PID FD``), stdlib plus psutil only, so it
-starts fast and never imports toolpool or any tool. It is a child subreaper: every worker is
+Run as a script (``python -P reaper/_main.py SUPERVISOR_PID FD``), stdlib only (psutil where
+a tree without a cgroup must be walked), so it starts fast and never imports toolpool or any
+tool (but the worker's template, below). It is a child subreaper: every worker is
 its child, and whatever a dead worker leaves behind (children, setsid'd daemons) is re-parented
 to it instead of to PID 1. It
 
@@ -9,8 +10,9 @@ to it instead of to PID 1. It
   either ``python -m toolpool.worker`` (fork and exec, like ``subprocess``), or, with
   ``start_method="fork"``, by forking itself once it has imported the worker's modules (the
   pre-forked template: see ``Template`` below and ``toolpool/worker/_template.py``);
-* kills trees on request: SIGTERM to the tree, or SIGSTOP the worker then SIGKILL every
-  descendant until none is left, then SIGKILL the worker;
+* kills trees on request: SIGTERM to the tree; or SIGKILL, through the worker's cgroup
+  (``cgroup.kill``) where it has one, else by stopping the worker (SIGSTOP), SIGKILLing every
+  descendant until none is left, then the worker; once per worker;
 * kills and reaps every orphan at once (an orphan is any child that is not a live worker:
   it can only come from a worker that died);
 * when the supervisor goes away (its end of the socket closes, or it is no longer the parent),
