@@ -84,6 +84,20 @@ class ProviderOptions:
         )
 
 
+def default_workers() -> int:
+    """The default worker count: the CPUs this process may run on (its affinity mask, and
+    on Python 3.13+ ``PYTHON_CPU_COUNT`` / ``-X cpu_count`` too), at least 1."""
+    counter = getattr(os, "process_cpu_count", None)  # Python 3.13+
+    if counter is not None:
+        count = counter()
+    else:
+        try:
+            count = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # (no affinity on this platform)
+            count = os.cpu_count()
+    return max(1, count or 1)
+
+
 def check_count(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         what = "a positive" if minimum == 1 else "a non-negative"
@@ -106,7 +120,7 @@ def provider_options(
     name: str,
     tools: object,
     *,
-    workers: int,
+    workers: int | None,
     profile: Profile | str,
     env: Mapping[str, str] | None,
     allow_background: bool,
@@ -121,6 +135,8 @@ def provider_options(
         raise ValueError(f"a provider's name is a non-empty printable str, not {name!r}")
     if not isinstance(tools, str) or ":" not in tools:
         raise ConfigurationError(f"tools must be 'module:attribute', got {tools!r}")
+    if workers is None:
+        workers = default_workers()
     check_count("workers", workers, minimum=1)
     check_count("warm_spares", warm_spares, minimum=0)
     if isinstance(profile, str):
@@ -200,7 +216,7 @@ class Hosting:
         name: str,
         tools: str,
         *,
-        workers: int = 4,
+        workers: int | None = None,
         profile: Profile | str = "default",
         env: Mapping[str, str] | None = None,
         allow_background: bool = False,
@@ -210,7 +226,8 @@ class Hosting:
         timeout: float | None = None,
     ) -> ProviderInfo:
         """Start a provider: ``workers`` processes running the tools of ``tools``
-        (``"module:attribute"``), under ``profile``. Returns once every one of them is ready
+        (``"module:attribute"``), under ``profile``; ``workers=None`` (default): one per CPU
+        this process may use. Returns once every one of them is ready
         and its tools resolve, after the listeners saw :class:`toolpool.ProviderAdded`.
 
         ``timeout``: the default timeout of its calls (``submit`` may give another). The other

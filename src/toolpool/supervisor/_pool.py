@@ -106,7 +106,7 @@ class Pool(Channels, Hosting):
         self,
         tools: str | None = None,
         *,
-        workers: int = 4,
+        workers: int | None = None,
         cancel_grace: float = 5.0,
         term_grace: float = 2.0,
         start_timeout: float = 30.0,
@@ -127,7 +127,9 @@ class Pool(Channels, Hosting):
         """
         :param tools: ``"module:attribute"`` naming the Registry of the ``"default"``
             provider; None: no provider until :meth:`add_provider`.
-        :param workers: how many worker processes (each runs one call at a time).
+        :param workers: how many worker processes (each runs one call at a time); None
+            (default): one per CPU this process may use (``os.process_cpu_count()`` on
+            Python 3.13+, else the size of its affinity mask, ``os.sched_getaffinity(0)``).
         :param cancel_grace: seconds a cancelled call has to stop cooperatively before SIGTERM.
         :param term_grace: seconds after SIGTERM before SIGKILL of the whole tree.
         :param start_timeout: seconds a worker has to import the tools and say hello.
@@ -217,7 +219,7 @@ class Pool(Channels, Hosting):
             profile = options.profile
         assert isinstance(profile, Profile)
         self.tools_spec = tools or ""
-        self.size = workers if options is not None else 0
+        self.size = options.workers if options is not None else 0
         self.cancel_grace = float(cancel_grace)
         self.term_grace = float(term_grace)
         self.start_timeout = float(start_timeout)
