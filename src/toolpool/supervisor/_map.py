@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from ._pool import Pool
 
-__all__ = ("MapIterator", "SyncMapIterator", "drive_sync_map")
+__all__ = ("MapIterator", "SyncMapIterator", "drive_sync_map", "thread_safe_caller")
 
 _PARENT: Final = CancelCause("parent")
 _log = logging.getLogger("toolpool.supervisor")
@@ -159,7 +159,7 @@ class MapIterator(AsyncIterator[Result]):
         self._pulling = True  # the iterable may have more items
         self._error: BaseException | None = None  # raised once what came before is yielded
         self._closed = False
-        self._call_soon = _thread_safe_caller()  # (for __del__, and a SyncPool's consumer)
+        self._call_soon = thread_safe_caller()  # (for __del__, and a SyncPool's consumer)
 
     # ------------------------------------------------------------------ the steps
 
@@ -454,7 +454,7 @@ async def drive_sync_map(
         put(end)
 
 
-def _thread_safe_caller() -> Callable[[Callable[[], object]], object]:
+def thread_safe_caller() -> Callable[[Callable[[], object]], object]:
     """In the loop's thread: a function any thread may call to run a callback in the loop
     soon, without waiting for it (a SyncPool runs asyncio; trio works too)."""
     try:
