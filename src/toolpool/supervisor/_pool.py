@@ -488,15 +488,16 @@ class Pool(Channels, Hosting):
     def map(
         self,
         tool: str,
-        args_iterable: Iterable[Mapping[str, Any] | None],
+        args_iterable: Iterable[Any],
         *,
         timeout: float | None = None,
         ordered: bool = False,
         max_in_flight: int | None = None,
     ) -> MapIterator:
         """The settled results of ``tool`` called once per item of ``args_iterable`` (a
-        mapping of arguments each, as :meth:`submit` takes), pulled lazily: an async
-        iterator; see :class:`toolpool.MapIterator`. Bad arguments raise here, at once."""
+        mapping of arguments each, as :meth:`submit` takes; for a tool with one parameter,
+        its value), pulled lazily: an async iterator; see :class:`toolpool.MapIterator`.
+        Bad arguments raise here, at once."""
         return MapIterator(
             self, tool, args_iterable, timeout=timeout, ordered=ordered, max_in_flight=max_in_flight
         )

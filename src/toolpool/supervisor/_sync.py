@@ -309,7 +309,7 @@ class SyncPool:
     def map(
         self,
         tool: str,
-        args_iterable: Iterable[Mapping[str, Any] | None],
+        args_iterable: Iterable[Any],
         *,
         timeout: float | None = None,
         ordered: bool = False,
