@@ -115,3 +115,7 @@ shadowed = redefined  # its name now names another function:
 
 def redefined() -> int:  # type: ignore[no-redef]
     return 2
+
+
+def pid_of(_: object) -> int:
+    return os.getpid()

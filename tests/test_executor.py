@@ -9,9 +9,11 @@ shut it down (each pool start costs a few hundred ms of a shared 2-core machine)
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as futures
 import functools
 import gc
+import logging
 import os
 import subprocess
 import sys
@@ -596,3 +598,42 @@ def test_the_default_worker_count_follows_the_cpus_this_process_may_use() -> Non
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", "1", "1", "1"]
     assert toolpool.Pool("map_tools:registry").size == len(os.sched_getaffinity(0))
+
+
+# ====================================================================== max_calls_per_worker
+
+
+def test_max_calls_per_worker_recycles_a_worker(caplog: pytest.LogCaptureFixture) -> None:
+    """CPython's test_max_tasks_per_child, on ``max_calls_per_worker``."""
+    caplog.set_level(logging.DEBUG, logger="toolpool.supervisor")
+    with toolpool.Executor(1, max_calls_per_worker=3) as ex:
+        first = ex.submit(os.getpid).result(timeout=30)
+        assert ex.submit(os.getpid).result(timeout=30) == first
+        assert ex.submit(os.getpid).result(timeout=30) == first
+        new = ex.submit(os.getpid).result(timeout=30)  # a new worker, the first one gone
+        assert new != first
+        assert ex._sync._pool.worker_pids == [new]
+        stats = ex._sync.statistics()
+    with pytest.raises(ProcessLookupError):
+        os.kill(first, 0)
+    assert stats.workers_started == 2
+    assert "retires after 3 calls (max_calls_per_worker=3)" in caplog.text
+    with pytest.raises(ValueError, match="max_calls_per_worker"):
+        toolpool.Pool("map_tools:registry", max_calls_per_worker=0)
+
+
+def test_max_calls_per_worker_early_shutdown() -> None:
+    with toolpool.Executor(3, max_calls_per_worker=1) as ex:
+        fs = [ex.submit(funcs.mul, i, i) for i in range(6)]
+        ex.shutdown()
+    assert [f.result(timeout=0) for f in fs] == [i * i for i in range(6)]
+
+
+def test_max_calls_per_worker_bounds_what_a_worker_takes_ahead() -> None:
+    """With prefetch, a worker is sent no more calls than it has left to serve."""
+    with toolpool.Executor(2, max_calls_per_worker=3, prefetch=16) as ex:
+        pids = list(ex.map(funcs.pid_of, range(30)))
+    assert len(pids) == 30
+    per_worker = collections.Counter(pids)
+    assert max(per_worker.values()) <= 3
+    assert len(per_worker) >= 10

@@ -70,6 +70,7 @@ class ProviderOptions:
     warm_spares: int
     prefetch: int
     timeout: float | None
+    max_calls: int | None = None
     layers: dict[str, tuple[bool, str]] | None = None  # the supervisor's side, once prepared
     cgroups: CgroupSet | None = None
 
@@ -81,6 +82,7 @@ class ProviderOptions:
             prefetch=self.prefetch,
             allow_background=self.allow_background,
             memory_cap=self.profile.memory,
+            max_calls=self.max_calls,
         )
 
 
@@ -129,6 +131,7 @@ def provider_options(
     prefetch: int | None,
     timeout: float | None,
     max_frame: int,
+    max_calls_per_worker: int | None = None,
 ) -> ProviderOptions:
     """Check a provider's options; raise a clear error for each bad one."""
     if not isinstance(name, str) or not name or not name.isprintable():
@@ -151,6 +154,8 @@ def provider_options(
         raise ValueError("capture_output must be at most half of max_frame")
     if timeout is not None:
         check_seconds("timeout", timeout, positive=True)
+    if max_calls_per_worker is not None:
+        check_count("max_calls_per_worker", max_calls_per_worker, minimum=1)
     return ProviderOptions(
         name=name,
         tools=tools,
@@ -162,6 +167,7 @@ def provider_options(
         warm_spares=warm_spares,
         prefetch=prefetch,
         timeout=None if timeout is None else float(timeout),
+        max_calls=max_calls_per_worker,
     )
 
 
@@ -224,6 +230,7 @@ class Hosting:
         warm_spares: int = 0,
         prefetch: int | None = None,
         timeout: float | None = None,
+        max_calls_per_worker: int | None = None,
     ) -> ProviderInfo:
         """Start a provider: ``workers`` processes running the tools of ``tools``
         (``"module:attribute"``), under ``profile``; ``workers=None`` (default): one per CPU
@@ -253,6 +260,7 @@ class Hosting:
             prefetch=prefetch,
             timeout=timeout,
             max_frame=self.max_frame,
+            max_calls_per_worker=max_calls_per_worker,
         )
         self._prepare(options)
         self._options[name] = options

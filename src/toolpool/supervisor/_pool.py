@@ -123,6 +123,7 @@ class Pool(Channels, Hosting):
         drain_grace: float = 30.0,
         unkillable_after: float = 10.0,
         heartbeat: float | None = 1.0,
+        max_calls_per_worker: int | None = None,
     ) -> None:
         """
         :param tools: ``"module:attribute"`` naming the Registry of the ``"default"``
@@ -175,6 +176,11 @@ class Pool(Channels, Hosting):
             thread of it runs: a C extension holding the GIL), told apart from a tool that
             ignores its signal (``Statistics.hung``, a log line; see ``docs/pool.md``,
             "Liveness"). None: no heartbeats.
+        :param max_calls_per_worker: a worker serves this many calls, then exits (reason
+            ``retired``) and a new one starts in its place, as ``multiprocessing``'s
+            ``maxtasksperchild``: a bound on what a tool leaks in its process (memory,
+            state). A call counts once it settled in that worker, unless its body surely
+            never started. None (default): workers serve until the pool closes.
         """
         check_count("max_start_failures", max_start_failures, minimum=1)
         for name, value in (
@@ -209,6 +215,7 @@ class Pool(Channels, Hosting):
                 prefetch=prefetch,
                 timeout=None,
                 max_frame=max_frame,
+                max_calls_per_worker=max_calls_per_worker,
             )
         )
         if options is None and not isinstance(profile, Profile):
@@ -258,6 +265,7 @@ class Pool(Channels, Hosting):
                 drain_grace=self.drain_grace,
                 unkillable_after=self.unkillable_after,
                 heartbeat=self.heartbeat,
+                max_calls_per_worker=spec.max_calls if spec else None,
             ),
             self._files,  # the probe: the ledger and cgroup files it holds open
             lambda: secrets.token_hex(32).encode(),

@@ -153,6 +153,7 @@ class ProviderSpec:
     prefetch: int = 0
     allow_background: bool = False
     memory_cap: int | None = None  # the profile's, for the OOM text
+    max_calls: int | None = None  # a worker retires after this many calls (None: never)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -245,6 +246,7 @@ class WorkerRecord:
         "results",
         "retired",
         "secret",
+        "served",
         "signals",
         "start_failed",
         "start_method",
@@ -284,6 +286,7 @@ class WorkerRecord:
         self.disconnected = False
         self.draining = False  # it exits once its calls end (a shrink): none is sent to it
         self.retired = False  # it was told to exit (Shutdown)
+        self.served = 0  # calls it settled whose body it may have started (max_calls)
         self.escalated = False
         self.awaiting_fatal = False
         self.gone_deferred = False  # its tree is gone, handled once its 'fatal' is read
