@@ -89,3 +89,21 @@ def test_the_contract_has_every_clause_the_code_and_tests_cite() -> None:
         cited |= set(re.findall(r"\b(C\d+(?:\.\d+)?)\b", path.read_text()))
     assert cited, "the search found no citation at all"
     assert cited <= defined, sorted(cited - defined)
+
+
+@pytest.mark.timeout(120)
+def test_the_readme_executor_example_prints_what_its_comments_say(tmp_path: Path) -> None:
+    (example,) = [b for b in _python_blocks(README) if "toolpool.Executor(" in b]
+    (tmp_path / "example.py").write_text(example)
+    done = subprocess.run(
+        [sys.executable, "example.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr
+    claims = _claims(example)
+    assert claims == ["1024", "[1, 1, 2, 6, 24, 120]", "RemoteTraceback", "error"]
+    assert [" ".join(line.split()) for line in done.stdout.splitlines()] == claims
