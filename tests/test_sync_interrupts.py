@@ -36,22 +36,33 @@ with toolpool.SyncPool("map_tools:registry", workers=2, cancel_grace=600, term_g
 """
 
 
-def _start(leave: str) -> tuple[subprocess.Popen[str], list[int]]:
+def _popen(code: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, *sys.path])}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", f"LEAVE = {leave!r}\n" + textwrap.dedent(SCRIPT)],
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
     )
+
+
+def _start(code: str) -> tuple[subprocess.Popen[str], list[int]]:
+    """Run ``code``; the worker pids its first line of output names."""
+    proc = _popen(code)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
         proc.kill()
         raise AssertionError(proc.communicate(timeout=30)[1])
     return proc, [int(pid) for pid in line.split()]
+
+
+def _end(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate(timeout=30)
 
 
 def _stderr_line(proc: subprocess.Popen[str], timeout: float = 60) -> str:
@@ -73,7 +84,7 @@ def test_a_second_ctrl_c_kills_at_once_and_one_traceback_ends_the_script(leave: 
     """``waiting``: the first Ctrl-C interrupts the script's ``result()``, and the close
     that leaving ``with`` begins says what it waits for. ``closing``: the script left
     ``with`` normally, and the first Ctrl-C reaches the close itself."""
-    proc, workers = _start(leave)
+    proc, workers = _start(f"LEAVE = {leave!r}\n" + textwrap.dedent(SCRIPT))
     try:
         if leave == "closing":
             assert proc.stdout is not None
@@ -89,9 +100,7 @@ def test_a_second_ctrl_c_kills_at_once_and_one_traceback_ends_the_script(leave: 
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
+        _end(proc)
     assert time.monotonic() - started < 60  # far below the 600 s graces
     lines = err.strip().splitlines()
     assert lines[0] == "toolpool: interrupted again: killing 2 calls now (SIGKILL)", err
@@ -110,26 +119,13 @@ def test_a_second_ctrl_c_kills_at_once_and_one_traceback_ends_the_script(leave: 
 def test_one_ctrl_c_lets_the_close_finish_by_the_graces() -> None:
     """Without a second Ctrl-C the calls get their graces: here short ones, SIGTERM is
     ignored, SIGKILL ends them."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, *sys.path])}
     script = SCRIPT.replace("cancel_grace=600, term_grace=600", "cancel_grace=0.2, term_grace=0.2")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "LEAVE = 'waiting'\n" + textwrap.dedent(script)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    proc, workers = _start("LEAVE = 'waiting'\n" + textwrap.dedent(script))
     try:
-        assert proc.stdout is not None
-        workers = [int(pid) for pid in proc.stdout.readline().split()]
-        assert workers
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
+        _end(proc)
     lines = err.strip().splitlines()
     assert "within 0.2s gets SIGTERM, then SIGKILL 0.2s later" in lines[0]
     assert lines[1].startswith("toolpool: stopped: every call settled")
@@ -152,19 +148,8 @@ with toolpool.Executor(2, cancel_grace=600, term_grace=600) as ex:
 
 
 def test_ctrl_c_while_an_executor_waits_at_shutdown(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, *sys.path])}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", f"DIR = {str(tmp_path)!r}\n" + textwrap.dedent(EXECUTOR_SCRIPT)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    proc, workers = _start(f"DIR = {str(tmp_path)!r}\n" + textwrap.dedent(EXECUTOR_SCRIPT))
     try:
-        assert proc.stdout is not None
-        workers = [int(pid) for pid in proc.stdout.readline().split()]
-        assert workers, proc.communicate(timeout=30)
         proc.send_signal(signal.SIGINT)
         first = _stderr_line(proc)
         assert first.startswith(
@@ -173,9 +158,7 @@ def test_ctrl_c_while_an_executor_waits_at_shutdown(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
+        _end(proc)
     lines = err.strip().splitlines()
     assert lines[0] == "toolpool: interrupted again: killing 2 calls now (SIGKILL)", err
     assert lines[1].startswith("toolpool: stopped: every call settled")

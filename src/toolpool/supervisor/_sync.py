@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import signal
 import threading
 import weakref
@@ -27,6 +28,8 @@ from ._records import CallState
 from ._results import Progress, Result, Statistics
 
 __all__ = ("Followed", "SyncCall", "SyncPool")
+
+_log = logging.getLogger("toolpool.supervisor")
 
 
 class Followed(Protocol):
@@ -291,7 +294,10 @@ class SyncPool:
     def _deliver(self, call: Call) -> None:
         future = self._following.pop(call.id, None)
         if future is not None and not future.done():
-            future._settle(call.result())
+            try:
+                future._settle(call.result())
+            except Exception:  # (called by the pool's pump: never let it break the pool)
+                _log.exception("could not complete the future of call %s", call.id)
 
     def _closed_down(self) -> None:
         for future in list(self._following.values()):
