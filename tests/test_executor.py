@@ -617,7 +617,7 @@ def test_max_calls_per_worker_recycles_a_worker(caplog: pytest.LogCaptureFixture
     with pytest.raises(ProcessLookupError):
         os.kill(first, 0)
     assert stats.workers_started == 2
-    assert "retires after 3 calls (max_calls_per_worker=3)" in caplog.text
+    assert "retired (it served 3 calls (max_calls_per_worker=3))" in caplog.text
     with pytest.raises(ValueError, match="max_calls_per_worker"):
         toolpool.Pool("map_tools:registry", max_calls_per_worker=0)
 

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import json
 import logging
 import os
+import shutil
 import sys
 import textwrap
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 
@@ -22,7 +24,7 @@ from .core import ToolpoolError, WorkerStartError
 EXIT_BROKEN_PIPE = 141
 
 if TYPE_CHECKING:
-    from .supervisor import Result
+    from .supervisor import Call, Result
 
 
 def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
@@ -51,6 +53,66 @@ def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
     )
 
 
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _add_log_level(cmd: argparse.ArgumentParser, default: str | None) -> None:
+    cmd.add_argument(
+        "--log-level",
+        choices=_LOG_LEVELS,
+        # (A subcommand's default must not override the level given before the subcommand.)
+        default=argparse.SUPPRESS if default is None else default,
+        help="what the pool logs to stderr, as 'toolpool: LEVEL: message' (default: warning)",
+    )
+
+
+class _LogFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"toolpool: {record.levelname.lower()}: {record.getMessage()}"
+
+
+#: The command's own log handler (stderr) while :func:`main` runs.
+_log_handler: logging.Handler | None = None
+
+
+@contextlib.contextmanager
+def _logging_to_stderr(level: str) -> Iterator[None]:
+    """The pool's log lines go to stderr, prefixed, at ``level`` and above; never into
+    stdout (results, batch summaries) and never through Python's bare fallback handler.
+    As it was afterwards (``main`` may run inside another program: a test)."""
+    global _log_handler
+    log = logging.getLogger("toolpool")
+    saved = log.level, log.propagate
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LogFormatter())
+    log.setLevel(level.upper())
+    log.addHandler(handler)
+    log.propagate = False
+    _log_handler = handler
+    try:
+        yield
+    finally:
+        _log_handler = None
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+
+
+def _add_grace_options(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument(
+        "--cancel-grace",
+        type=float,
+        default=5.0,
+        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
+    )
+    cmd.add_argument(
+        "--term-grace",
+        type=float,
+        default=2.0,
+        help="seconds after SIGTERM before SIGKILL (default: 2)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -63,9 +125,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"toolpool {__version__}", help="print the version"
     )
+    _add_log_level(parser, "warning")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sub.add_parser("demo", help="run the built-in example job and show what happened")
+    sub.add_parser(
+        "demo",
+        help="run the built-in example job and show what happened",
+        description="Run a small job of built-in example tools through a pool (a call that "
+        "returns, one that ignores its cancel, one that ignores SIGTERM, one that leaves a "
+        "daemon behind...) and show, call by call, what was observed: the outcome, the rung "
+        "of the escalation ladder reached, and the timeline. Ctrl-C stops it as `call` does.",
+    )
 
     tools = sub.add_parser("tools", help="list the tools a registry provides, as JSON")
     tools.add_argument("spec", help="module:attribute naming a toolpool.Registry")
@@ -82,7 +152,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Run one call in a fresh one-worker pool and print its result as JSON; "
         "exit 0 if the outcome is ok, 1 if not. Ctrl-C stops the call as the pool stops "
         "calls (cancel, then SIGTERM and SIGKILL after the graces); a second Ctrl-C kills "
-        "it at once.",
+        "it at once; the settled result is printed and the exit status is 130. On a "
+        "terminal, what the tool reports of its progress is shown on stderr.",
     )
     call.add_argument("spec", help="module:attribute naming a toolpool.Registry")
     call.add_argument("tool", help="the tool's name")
@@ -90,21 +161,188 @@ def _parser() -> argparse.ArgumentParser:
     call.add_argument(
         "--timeout", type=float, default=None, help="seconds before the call is cancelled"
     )
+    _add_grace_options(call)
     call.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
+        "--output",
+        nargs="?",
+        const=_CALL_OUTPUT,
+        default=None,
+        metavar="SIZE",
+        help="capture what the tool writes to stdout and stderr into the result's 'output' "
+        f"(at most SIZE, default {_CALL_OUTPUT})",
     )
     call.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
+        "--no-progress",
+        action="store_true",
+        help="do not show the tool's progress reports on stderr (shown on a terminal only)",
     )
     _add_profile_options(call, "default")
     _add_batch(sub)
+    _add_mcp(sub)
+    _add_service(sub)
+    for name, cmd in sub.choices.items():  # (after the subcommand too: `batch --log-level`)
+        # `mcp`, `serve`: stderr is the server's log, what happened to each call.
+        _add_log_level(cmd, "info" if name in ("mcp", "serve") else None)
     return parser
+
+
+#: How much of a tool's output ``toolpool call --output`` keeps by default.
+_CALL_OUTPUT = "1MiB"
+
+
+def _add_mcp(sub: Any) -> None:
+    mcp = sub.add_parser(
+        "mcp",
+        help="serve tools over the Model Context Protocol (stdio, or streamable HTTP)",
+        description="Serve the tools of each TOOLS registry (one provider each) over MCP: on "
+        "stdin/stdout by default, over streamable HTTP at http://HOST:PORT/mcp with --http. "
+        "A cancelled call is stopped as the pool stops calls, and confirmed only once its "
+        "process tree is gone. The client going away (stdin closed, client dead) cancels "
+        "every call (cause parent); SIGTERM or SIGINT drains (cause disposed). Needs the "
+        "'mcp' extra. See docs/mcp.md.",
+    )
+    mcp.add_argument("tools", nargs="+", metavar="TOOLS", help="module:attribute of a Registry")
+    mcp.add_argument("--workers", type=int, default=4, help="workers per provider (default: 4)")
+    mcp.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="serve streamable HTTP instead of stdio (loopback only unless --token-file)",
+    )
+    mcp.add_argument("--token-file", help="a file holding the bearer token HTTP clients must send")
+    mcp.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds a call may run, for tools whose provider sets no timeout",
+    )
+    _add_grace_options(mcp)
+    _add_profile_options(mcp, "default")
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--http takes HOST:PORT (e.g. 127.0.0.1:8000), not {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def _mcp(ns: argparse.Namespace) -> int:
+    from .mcp import _import
+
+    run = _import("_main").run
+    # stderr is the client's log of the server: what happened to each call (toolpool's
+    # loggers, at --log-level: info by default), and the warnings of the libraries under it.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
+    if ns.timeout is not None and not ns.timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {ns.timeout}")
+    return int(
+        anyio.run(
+            lambda: run(
+                ns.tools,
+                workers=ns.workers,
+                profile=_profile(ns),
+                timeout=ns.timeout,
+                cancel_grace=ns.cancel_grace,
+                term_grace=ns.term_grace,
+                http=_host_port(ns.http) if ns.http is not None else None,
+                token_file=ns.token_file,
+                say=say,
+            )
+        )
+    )
+
+
+def _add_service(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="run a pool as a service: MCP over HTTP, probes, metrics, a control socket",
+        description="Serve the tools of TOOLS (each [NAME=]module:attribute, one provider "
+        "each) or of --config over MCP streamable HTTP at /mcp, with /healthz, /readyz and "
+        "/metrics on the same listener, and a control socket for toolpool status, scale, "
+        "drain and reload. SIGTERM drains (a second SIGTERM forces); SIGHUP reloads the "
+        "tools. See docs/service.md.",
+    )
+    serve.add_argument("tools", nargs="*", metavar="TOOLS", help="[NAME=]module:attribute")
+    serve.add_argument(
+        "--config", help="a TOML file of providers ([providers.NAME] tools=, profile=, ...)"
+    )
+    serve.add_argument(
+        "--http",
+        default="127.0.0.1:8080",
+        metavar="HOST:PORT",
+        help="where to listen (default: 127.0.0.1:8080; a non-loopback host needs --token-file)",
+    )
+    size = serve.add_mutually_exclusive_group()
+    size.add_argument("--workers", type=int, default=4, help="workers per provider (default: 4)")
+    size.add_argument(
+        "--autoscale", metavar="MIN:MAX", help="let the pool size each provider in MIN..MAX"
+    )
+    serve.add_argument(
+        "--profile",
+        default="default",
+        choices=["default", "untrusted"],
+        help="containment profile of the TOOLS providers (default: default)",
+    )
+    serve.add_argument("--token-file", help="a file holding the bearer token callers must send")
+    serve.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host name callers use (any port), besides loopback and the listening "
+        "address: /mcp refuses others (DNS-rebinding protection); repeat for several",
+    )
+    serve.add_argument("--control", help="the control socket's path (default: see docs)")
+    serve.add_argument(
+        "--timeout", type=float, default=None, help="default seconds per call, for every tool"
+    )
+    serve.add_argument(
+        "--drain-grace",
+        type=float,
+        default=30.0,
+        help="seconds running calls get when draining, before they are cancelled (default: 30)",
+    )
+    _add_grace_options(serve)
+    serve.add_argument(
+        "--log-format", choices=["text", "json"], default="text", help="stderr log lines"
+    )
+    serve.add_argument(
+        "--init",
+        choices=["auto", "never"],
+        default="auto",
+        help="auto (default): as PID 1 (a container), fork and stay behind as its init "
+        "(signals forwarded, orphans reaped)",
+    )
+
+    def control_cmd(name: str, text: str) -> argparse.ArgumentParser:
+        cmd: argparse.ArgumentParser = sub.add_parser(name, help=text, description=text)
+        cmd.add_argument("--control", help="the service's control socket (default: see docs)")
+        return cmd
+
+    status = control_cmd("status", "show a running service's state, providers and workers")
+    status.add_argument("--json", action="store_true", help="as one JSON object")
+    scale = control_cmd("scale", "resize a running service's provider (ends its autoscaling)")
+    scale.add_argument("workers", type=int, help="workers")
+    scale.add_argument("--provider", help="which provider (needed when there are several)")
+    drain = control_cmd(
+        "drain",
+        "drain a running service: not ready at once, new calls refused, running calls "
+        "finish or are cancelled after the grace; the service then exits",
+    )
+    drain.add_argument(
+        "--wait", action="store_true", help="return once every call settled and it stopped"
+    )
+    drain.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds running calls get before they are cancelled (default: the service's "
+        "--drain-grace)",
+    )
+    reload = control_cmd(
+        "reload", "reload a running service's tools (rolling: no call lost, none run twice)"
+    )
+    reload.add_argument("--provider", help="only this provider (default: every one)")
 
 
 def _add_batch(sub: Any) -> None:
@@ -112,18 +350,42 @@ def _add_batch(sub: Any) -> None:
         "batch",
         help="run a JSONL file of calls through a pool, resumably",
         description="Run every line of INPUT (a JSON object: id, tool, args, and optionally "
-        "timeout and group) as a call, and append one record per id to RESULTS as its call "
-        "settles. Run the same command again to resume: recorded ids are skipped. Ctrl-C "
+        "timeout and group) as a call, and append one record per id to OUTPUT as its call "
+        "settles. Run the same command again to resume: recorded ids are skipped (--rerun "
+        "names outcomes to run again). Ctrl-C "
         "or SIGTERM cancels every call (what settles is recorded); a second Ctrl-C kills "
         "them. Exit 0 if every record is ok, 1 if not or a line was rejected, 2 on a usage "
         "error, 130 if interrupted. See docs/batch.md.",
     )
-    batch.add_argument("spec", help="module:attribute naming a toolpool.Registry")
-    batch.add_argument("input", help="the input file, one JSON object per line")
+    batch.add_argument(
+        "spec",
+        metavar="TOOLS",
+        help="module:attribute naming a toolpool.Registry (not with --server)",
+    )
+    batch.add_argument(
+        "input",
+        nargs="?",
+        metavar="INPUT",
+        help="the input file, one JSON object per line ('-': standard input)",
+    )
+    batch.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="send the calls to this toolpool service's MCP endpoint (http://host:port/mcp) "
+        "instead of running a pool here; repeat for several (then give no TOOLS)",
+    )
+    batch.add_argument("--token-file", help="a file holding the bearer token for --server")
     batch.add_argument(
         "-o", "--output", required=True, help="the results file (appended to; resumed from)"
     )
-    batch.add_argument("--workers", type=int, default=4, help="worker processes (default: 4)")
+    batch.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes (default: 4); with --server, calls in flight (default: 64)",
+    )
     batch.add_argument(
         "--timeout",
         type=float,
@@ -140,22 +402,20 @@ def _add_batch(sub: Any) -> None:
     batch.add_argument(
         "--idempotent",
         action="store_true",
-        help="the tools may run twice: --retries also retries calls whose body started",
+        help="the tools may run twice: --retries also retries calls whose body started, "
+        "and --rerun runs them again",
+    )
+    batch.add_argument(
+        "--rerun",
+        type=_outcomes,
+        default=frozenset(),
+        metavar="OUTCOME[,OUTCOME]",
+        help="on resume, run again the calls recorded with these outcomes (e.g. "
+        "aborted,killed,worker_lost); refused without --idempotent where a body started",
     )
     batch.add_argument("--no-progress", action="store_true", help="no progress bar")
     batch.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    batch.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    batch.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
+    _add_grace_options(batch)
     _add_profile_options(batch, "default")
 
 
@@ -167,16 +427,40 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _seconds(value: float | None) -> float | None:
+    """Seconds to the microsecond (``0.000555``, not ``0.0005549999999999999``)."""
+    return None if value is None else round(value, 6)
+
+
 def _result_json(result: Result) -> dict[str, Any]:
-    """Every field of the result; the timeline as seconds since submission, step by step."""
+    """Every field of the result; the timeline as seconds since submission, step by step;
+    times to the microsecond."""
     out = {
         f.name: _jsonable(getattr(result, f.name))
         for f in dataclasses.fields(result)
         if f.name != "timeline"
     }
-    out["duration"] = result.duration()
-    out["timeline"] = dict(result.timeline.steps())
+    out["cpu_time"] = _seconds(result.cpu_time)
+    out["duration"] = _seconds(result.duration())
+    out["timeline"] = {step: _seconds(t) for step, t in result.timeline.steps()}
     return out
+
+
+async def _show_progress(call: Call, stream: TextIO) -> None:
+    """The call's progress reports on one line of ``stream`` (a terminal), rewritten as
+    they come; the line is cleared when the call settles."""
+    shown = False
+    try:
+        async for p in call.progress_updates():
+            amount = f"{p.done:g}" + (f"/{p.total:g}" if p.total is not None else "")
+            line = f"toolpool: {call.tool}: {amount}" + (f" {p.message}" if p.message else "")
+            stream.write("\r\x1b[K" + line[: shutil.get_terminal_size().columns - 1])
+            stream.flush()
+            shown = True
+    finally:
+        if shown:
+            stream.write("\r\x1b[K")
+            stream.flush()
 
 
 async def _call(ns: argparse.Namespace) -> int:
@@ -189,20 +473,29 @@ async def _call(ns: argparse.Namespace) -> int:
     if not isinstance(args, dict):
         raise ValueError("args must be a JSON object")
     stop = Interrupts(ns.cancel_grace, ns.term_grace)
+    progress = not ns.no_progress and sys.stderr.isatty()
 
     async def job() -> int:
+        call: Call | None = None
         async with Pool(
             ns.spec,
             workers=1,
             cancel_grace=ns.cancel_grace,
             term_grace=ns.term_grace,
             profile=_profile(ns),
+            capture_output=ns.output,
         ) as pool:
-            result: Result | None = None
-            with stop.cancellable():
-                result = await stop.wait(pool.submit(ns.tool, args, timeout=ns.timeout))
-        if result is None:
+            call = pool.submit(ns.tool, args, timeout=ns.timeout)
+            async with anyio.create_task_group() as tg:
+                if progress:
+                    tg.start_soon(_show_progress, call, sys.stderr)
+                with stop.cancellable():
+                    await stop.wait(call)
+        # Interrupted or not, the pool is closed: the call settled, and what it settled as
+        # is printed (the exit status is then 130).
+        if call is None or not call.done():
             return EXIT_INTERRUPTED
+        result = call.result()
         print(json.dumps(_result_json(result), indent=2, default=repr))
         return 0 if result.ok else 1
 
@@ -212,12 +505,31 @@ async def _call(ns: argparse.Namespace) -> int:
 def _batch(ns: argparse.Namespace) -> int:
     from ._batch import BatchOptions
 
+    if ns.server:
+        if ns.input is not None:
+            raise ValueError("with --server, give INPUT only (the services have the tools)")
+        ns.input, ns.spec = ns.spec, ""
+        for url in ns.server:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--server must be an http(s)://host:port/mcp URL, got {url!r}")
+    elif ns.input is None:
+        raise ValueError("give TOOLS and INPUT (or --server URL and INPUT)")
+    if ns.workers is None:
+        ns.workers = 64 if ns.server else 4
+    if ns.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {ns.workers}")
+    token = _read_token(ns.token_file)
     if ns.retries < 0:
         raise ValueError(f"--retries must be 0 or more, got {ns.retries}")
+    if ns.workers < 1:
+        raise ValueError(f"--workers must be 1 or more, got {ns.workers}")
     if ns.timeout is not None and not ns.timeout > 0:
         raise ValueError(f"--timeout must be a positive number of seconds, got {ns.timeout}")
+    if ns.output == "-":
+        raise ValueError("the results file must be a file ('-' is for the input)")
     if (
-        os.path.exists(ns.output)
+        ns.input != "-"
+        and os.path.exists(ns.output)
         and os.path.exists(ns.input)
         and os.path.samefile(ns.input, ns.output)
     ):
@@ -231,10 +543,29 @@ def _batch(ns: argparse.Namespace) -> int:
         timeout=ns.timeout,
         retries=ns.retries,
         idempotent=ns.idempotent,
+        rerun=ns.rerun,
         cancel_grace=ns.cancel_grace,
         term_grace=ns.term_grace,
+        servers=tuple(ns.server),
+        token=token,
     )
     return anyio.run(_run_batch, options, ns.no_progress, ns.json)
+
+
+def _outcomes(text: str) -> frozenset[str]:
+    """``--rerun``'s value: outcomes, comma-separated."""
+    from .core import Outcome
+
+    known = [o.value for o in Outcome]
+    chosen = frozenset(part.strip() for part in text.split(",") if part.strip())
+    unknown = sorted(chosen - set(known))
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(
+            f"unknown outcome(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}"
+            if unknown
+            else "name at least one outcome"
+        )
+    return chosen
 
 
 async def _run_batch(options: Any, no_progress: bool, as_json: bool) -> int:
@@ -250,6 +581,135 @@ async def _run_batch(options: Any, no_progress: bool, as_json: bool) -> int:
     if summary.interrupted:
         say("stopped: every call settled and every process of the pool is gone")
     return summary.exit_status
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from .serve import (
+        Service,
+        ServiceOptions,
+        configure_logging,
+        load_config,
+        parse_autoscale,
+        parse_tools,
+    )
+
+    if ns.config and ns.tools:
+        raise ValueError("give TOOLS or --config, not both")
+    if ns.config:
+        providers = load_config(ns.config)
+    elif ns.tools:
+        providers = parse_tools(
+            ns.tools,
+            profile=ns.profile,
+            workers=ns.workers,
+            autoscale=None if ns.autoscale is None else parse_autoscale(ns.autoscale),
+            timeout=ns.timeout,
+        )
+    else:
+        raise ValueError("nothing to serve: give TOOLS (module:attribute) or --config FILE")
+    host, port = _host_port(ns.http)
+    token = _read_token(ns.token_file)
+    options = ServiceOptions(
+        providers=providers,
+        host=host,
+        port=port,
+        token=token,
+        control=ns.control,
+        cancel_grace=ns.cancel_grace,
+        term_grace=ns.term_grace,
+        drain_grace=ns.drain_grace,
+        timeout=ns.timeout,
+        allowed_hosts=tuple(ns.allowed_host),
+    )
+    if ns.init == "auto" and os.getpid() == 1:
+        from .serve._init import become_init
+
+        status = become_init()
+        if status is not None:
+            return status
+    # The service's own lines (text or JSON) replace the command's handler while it runs.
+    log = logging.getLogger("toolpool")
+    ours = _log_handler
+    if ours is not None:
+        log.removeHandler(ours)
+    handler = configure_logging(ns.log_format, level=logging.getLevelName(ns.log_level.upper()))
+    try:
+        return anyio.run(Service(options).run)
+    finally:
+        log.removeHandler(handler)
+        if ours is not None:
+            log.addHandler(ours)
+
+
+def _control(ns: argparse.Namespace) -> int:
+    from .serve import control, default_control_path
+
+    path = ns.control or default_control_path()
+    if ns.command == "status":
+        answer = control(path, {"op": "status"}, timeout=30)
+        answer.pop("ok", None)
+        if ns.json:
+            print(json.dumps(answer, indent=2))
+        else:
+            print(_status_text(answer))
+        return 0
+    if ns.command == "scale":
+        answer = control(
+            path, {"op": "scale", "workers": ns.workers, "provider": ns.provider}, timeout=None
+        )
+        print(f"{answer['provider']}: {answer['old']} -> {answer['workers']} workers")
+        return 0
+    if ns.command == "reload":
+        answer = control(path, {"op": "reload", "provider": ns.provider}, timeout=None)
+        for name, generation in answer["reloaded"].items():
+            print(f"{name}: reloaded (generation {generation})")
+        return 0
+    if ns.timeout is not None and ns.timeout < 0:
+        raise ValueError("--timeout must be 0 or more seconds")
+    answer = control(path, {"op": "drain", "wait": ns.wait, "timeout": ns.timeout}, timeout=None)
+    print("stopped" if ns.wait else f"draining ({answer['state']})")
+    return 0
+
+
+def _status_text(s: Mapping[str, Any]) -> str:
+    lines = [
+        f"state: {s['state']}  ready: {'yes' if s['ready'] else 'no'}  pid: {s['pid']}  "
+        f"up {s['uptime_s']:.0f}s",
+        f"listen: {s['listen']}  control: {s['control']}",
+    ]
+    if "in_flight" in s:
+        lines.append(
+            f"calls: {s['in_flight']} running, {s['queued']} queued, {s['submitted']} submitted"
+        )
+    rows = [("provider", "profile", "size", "workers", "running", "queued", "tools")]
+    for name, p in s["providers"].items():
+        workers = ", ".join(f"{n} {k}" for k, n in sorted(p["workers"].items()) if n)
+        size = str(p["size"])
+        if p["autoscale"]:
+            size += " ({}..{})".format(*p["autoscale"])
+        rows.append(
+            (
+                name,
+                p["profile"],
+                size,
+                workers or "-",
+                str(p["in_flight"]),
+                str(p["queued"]),
+                ", ".join(p["tools"]),
+            )
+        )
+    if len(rows) > 1:
+        lines += ["", _table(rows, wrap={6: _OBSERVED_WIDTH})]
+    return "\n".join(lines)
+
+
+def _read_token(path: str | None) -> str | None:
+    """The bearer token in ``path`` (as the MCP face reads it: at least 16 characters)."""
+    if path is None:
+        return None
+    from .mcp._http import read_token
+
+    return read_token(path)
 
 
 def _demo() -> int:
@@ -301,7 +761,9 @@ class _Collect(logging.Handler):
         self.lines.append(f"{record.levelname.lower()}: {record.getMessage()}")
 
 
-#: The widest the observed column gets in the selftest table; longer text wraps.
+#: The widest the expected and observed columns get in the selftest table; longer text
+#: wraps at a word.
+_EXPECTED_WIDTH = 36
 _OBSERVED_WIDTH = 48
 
 
@@ -314,6 +776,9 @@ async def _selftest(ns: argparse.Namespace) -> int:
     log = logging.getLogger("toolpool")
     collect = _Collect()
     log.addHandler(collect)
+    ours = _log_handler
+    if ours is not None:
+        log.removeHandler(ours)
     try:
         async with Pool(
             "toolpool.testing.hostile:registry",
@@ -326,29 +791,43 @@ async def _selftest(ns: argparse.Namespace) -> int:
             verdicts = await run_kit(pool)
     finally:
         log.removeHandler(collect)
-    rows = [("threat", "expected", "observed", "result", "caught by")]
-    rows += [
-        (v.threat, v.expected, v.observed, "pass" if v.passed else "FAIL", v.caught_by)
-        for v in verdicts
-    ]
-    print(_table(rows, wrap={2: _OBSERVED_WIDTH}))
+        if ours is not None:
+            log.addHandler(ours)
+    rows = [("threat", "expected under this profile", "observed", "result", "held by")]
+    rows += [(v.threat, v.expected, v.observed, v.status, v.caught_by) for v in verdicts]
+    print(_table(rows, wrap={1: _EXPECTED_WIDTH, 2: _OBSERVED_WIDTH}))
     if collect.lines:
         print("\nwhat the pool logged meanwhile (the kit provokes it):")
         for line in collect.lines:
             print(f"  {line}")
-    failed = [v for v in verdicts if not v.passed]
-    print(f"\n{len(verdicts) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+    print(f"\n{_kit_summary(verdicts)}")
+    return 1 if any(v.status == "FAILED" for v in verdicts) else 0
+
+
+def _kit_summary(verdicts: Sequence[Any]) -> str:
+    """The statuses counted apart, each said plainly (a 'not held' is no pass)."""
+    count = {s: sum(v.status == s for v in verdicts) for s in ("held", "not held", "not run")}
+    failed = [v.threat for v in verdicts if v.status == "FAILED"]
+    parts = [
+        f"{count['held']} held",
+        f"{count['not held']} not held (expected under this profile: see 'expected')",
+        f"{count['not run']} not run",
+        f"{len(failed)} FAILED" + (f" ({', '.join(failed)})" if failed else ""),
+    ]
+    return ", ".join(parts)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """Lines of at most ``width`` at word boundaries; a word longer than that (a path, a
+    repr) stands whole on a line of its own, never cut."""
+    return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
 
 
 def _table(rows: Sequence[Sequence[str]], *, wrap: Mapping[int, int]) -> str:
     """Columns padded to their widest cell; a column in ``wrap`` wraps at that width onto
     continuation lines instead (nothing is cut off). The first row is the header."""
     grid = [
-        [
-            (textwrap.wrap(c, wrap[i], break_on_hyphens=False) or [""]) if i in wrap else [c]
-            for i, c in enumerate(row)
-        ]
+        [(_wrap(c, wrap[i]) or [""]) if i in wrap else [c] for i, c in enumerate(row)]
         for row in rows
     ]
     width = len(rows[0])
@@ -373,15 +852,17 @@ def _tools(ns: argparse.Namespace) -> int:
 
 def _message(exc: BaseException) -> str:
     """``Type: message`` in one line. A worker's start failure carries the worker's
-    traceback: of an import that failed (the module or attribute is not there), its last
-    line says it all."""
+    traceback: where the worker could not load the tools (no such module or attribute, an
+    import that raised, not a Registry), its last line is what ``toolpool tools`` prints;
+    otherwise that line follows the failure's own first line."""
     text = str(exc)
     if isinstance(exc, WorkerStartError) and "Traceback (most recent call last):" in text:
         head, _, trace = text.partition("Traceback (most recent call last):")
         last = trace.strip().splitlines()[-1]
-        if last.startswith(("ModuleNotFoundError:", "ImportError:")):
-            text = head + last
-    return f"{type(exc).__name__}: {text}"
+        if "load_registry" in trace or last.startswith(("ModuleNotFoundError:", "ImportError:")):
+            return last
+        return f"{type(exc).__name__}: {head.strip()} {last}"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _put_cwd_on_path() -> None:
@@ -399,7 +880,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     _put_cwd_on_path()
     try:
-        status = _run(ns)
+        with _logging_to_stderr(ns.log_level):
+            status = _run(ns)
         sys.stdout.flush()  # (a reader gone away shows here, not as a traceback at exit)
         return status
     except BrokenPipeError:
@@ -408,7 +890,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # what stays in stdout's buffer goes nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-    except (ToolpoolError, ValueError, TypeError, ImportError) as exc:
+    except (ToolpoolError, ValueError, TypeError, ImportError, OSError) as exc:
         print(_message(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -429,4 +911,10 @@ def _run(ns: argparse.Namespace) -> int:
         return anyio.run(_selftest, ns)
     if ns.command == "batch":
         return _batch(ns)
+    if ns.command == "mcp":
+        return _mcp(ns)
+    if ns.command == "serve":
+        return _serve(ns)
+    if ns.command in ("status", "scale", "drain", "reload"):
+        return _control(ns)
     raise AssertionError(f"unhandled command {ns.command!r}")  # pragma: no cover

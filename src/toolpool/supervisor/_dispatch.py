@@ -4,7 +4,6 @@ of the queue."""
 
 from __future__ import annotations
 
-import logging
 from typing import Final
 
 from ..core import CancelCause
@@ -13,8 +12,6 @@ from ..protocol import Recall, Resume, encode
 from ._records import CallRecord, CallState, ProviderRecord, Send, WorkerRecord
 from ._results import Rung, WorkerState
 from ._settlement import Settlement
-
-_log = logging.getLogger("toolpool.supervisor")
 
 __all__ = ("QUEUE_BEHIND_FOR", "Dispatch")
 
@@ -220,16 +217,9 @@ class Dispatch(Settlement):
         raise NotImplementedError  # (_lifecycle.py)
 
     def _retire_used_up(self, w: WorkerRecord) -> None:
-        """w served its ``max_calls``: it exits (``retired``), and a new worker starts in its
-        place at once (as ``maxtasksperchild`` recycles a process)."""
-        _log.debug(
-            "worker %s (pid %s) retires after %s calls (max_calls_per_worker=%s)",
-            w.wid,
-            w.pid,
-            w.served,
-            w.provider.spec.max_calls,
-            extra={"worker_pid": w.pid, "calls": w.served},
-        )
+        """w served its ``max_calls``: it exits (``retired``, and why: ``_retire_reason``),
+        and a new worker starts in its place at once (as ``maxtasksperchild`` recycles a
+        process)."""
         self._retire(w)
         self._top_up(w.provider)
 

@@ -244,9 +244,27 @@ class Escalation(Dispatch):
             w.provider.ready.remove(w)
         w.state = WorkerState.RETIRING
         w.retired = True
+        w.retire_reason = self._retire_reason(w)
         for call in w.calls:
             call._recalling = True
         self._send(w, encode(Shutdown()))
+
+    def _retire_reason(self, w: WorkerRecord) -> str:
+        """Why w is told to exit, in words: what the pool or its provider is doing."""
+        p = w.provider
+        if self.closing:
+            return "the pool is closing"
+        if p.state == "draining":
+            return f"provider {p.name!r} was {p.reason or 'removed'}"
+        if p.state == "failed":
+            why = f": {type(p.error).__name__}: {p.error}" if p.error is not None else ""
+            return f"the start of provider {p.name!r} was rolled back{why}"
+        if w.draining:
+            return f"provider {p.name!r} was shrunk"
+        if p.spec.max_calls is not None and w.served >= p.spec.max_calls:
+            calls = "1 call" if w.served == 1 else f"{w.served} calls"
+            return f"it served {calls} (max_calls_per_worker={p.spec.max_calls})"
+        return "told to exit"
 
     def _quarantine(self, w: WorkerRecord, violation: str | None) -> None:
         """Take w out of service for good and kill its tree (C4.2, C7)."""

@@ -244,6 +244,7 @@ class WorkerRecord:
         "provider",
         "replaced",
         "results",
+        "retire_reason",
         "retired",
         "secret",
         "served",
@@ -287,6 +288,7 @@ class WorkerRecord:
         self.draining = False  # it exits once its calls end (a shrink): none is sent to it
         self.retired = False  # it was told to exit (Shutdown)
         self.served = 0  # calls it settled whose body it may have started (max_calls)
+        self.retire_reason = ""  # why, in words (logged at DEBUG when it is gone)
         self.escalated = False
         self.awaiting_fatal = False
         self.gone_deferred = False  # its tree is gone, handled once its 'fatal' is read
