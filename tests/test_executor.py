@@ -551,6 +551,18 @@ def test_results_codec_follows_trust() -> None:
         assert failed.value.result.error_name == "UnserializableResult"
 
 
+def test_an_untrusted_executor_takes_values_back_never_pickles() -> None:
+    """Under the untrusted profile results come back as msgpack values: the supervisor
+    unpickles nothing a sandboxed worker sends."""
+    with toolpool.Executor(1, profile="untrusted") as ex:
+        assert ex.results == "values"
+        assert ex.submit(funcs.capture, 1, a=(2,)).result(timeout=60) == [[1], {"a": [2]}]
+        with pytest.raises(toolpool.RemoteError) as caught:
+            ex.submit(divmod, 1, 0).result(timeout=60)
+        assert caught.value.type_name == "builtins.ZeroDivisionError"
+        assert "exception" not in caught.value.result.context["toolpool.function"]
+
+
 def test_functions_of_a_main_script(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(
