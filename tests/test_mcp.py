@@ -783,3 +783,52 @@ def test_the_mcp_package_exports_and_says_when_the_extra_is_missing() -> None:
 def test_importing_toolpool_does_not_import_the_sdk() -> None:
     code = "import sys, toolpool; toolpool.Pool; assert 'mcp' not in sys.modules, 'mcp'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_task_cancel_after_its_deadline_fired_reports_the_first_cause() -> None:
+    """The call's deadline stops it first (cause timeout); a tasks/cancel sent during the
+    ladder changes nothing: the task ends failed (not cancelled), its result says timeout."""
+    marker = f"tp-mcp-{uuid.uuid4().hex}"
+    proc = subprocess.Popen(
+        raw.server_command("--term-grace", "5", "--timeout", "1"),
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        raw.initialize(proc)
+        raw.send(
+            proc,
+            {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "tools/call",
+                "params": {"name": "stubborn", "arguments": {"marker": marker}, "task": {}},
+            },
+        )
+        task_id = raw.receive(proc)["result"]["task"]["taskId"]
+        assert proc.stderr is not None
+        # The deadline fired and the ladder reached SIGTERM (the tool ignores it): the
+        # SIGKILL is 5 s away, time enough for the client's cancel to arrive first.
+        while b"SIGTERM to its tree for call" not in (line := proc.stderr.readline()):
+            assert line, "the server's log ended before its SIGTERM"
+        raw.send(
+            proc,
+            {"jsonrpc": "2.0", "id": 2, "method": "tasks/cancel", "params": {"taskId": task_id}},
+        )
+        final = raw.receive(proc)
+        assert final.get("id") == 2, final
+        assert final["result"]["status"] == "failed", final
+        assert final["result"]["statusMessage"].startswith("killed")
+        raw.send(
+            proc,
+            {"jsonrpc": "2.0", "id": 3, "method": "tasks/result", "params": {"taskId": task_id}},
+        )
+        content = raw.receive(proc)["result"]["structuredContent"]
+        assert (content["outcome"], content["cause"]) == ("killed", "timeout")
+        assert not _marked(marker)  # settled: its tree is gone
+    finally:
+        _end(proc)
+        if proc.stderr is not None:
+            proc.stderr.close()

@@ -7,7 +7,9 @@ the tool's result, ``tasks/cancel`` cancels it and answers only once the pool ca
 call means its worker's whole process tree is gone.
 
 Status: ``completed`` (outcome ``ok``), ``failed`` (any other outcome: the tool result has
-``isError``), ``cancelled`` (``tasks/cancel`` asked and the call ended by that cancellation).
+``isError``), ``cancelled`` (``tasks/cancel`` asked and the call ended by that cancellation,
+its cause ``user``: a call its deadline or the server's shutdown had stopped first is
+``failed``, the first cause wins).
 ``statusMessage`` says what happened to the tool body, in the outcome's words.
 
 Tasks belong to the connection that created them: another connection neither sees nor
@@ -86,9 +88,12 @@ class Task:
     def settle(self, result: Result, payload: dict[str, Any]) -> None:
         """The call settled: the task takes its final state."""
         outcome = result.outcome.value
+        cause = result.cause["kind"] if result.cause is not None else None
         if outcome == "ok":
             self.status = "completed"
-        elif self.cancel_requested and outcome in _CANCEL_OUTCOMES:
+        elif self.cancel_requested and cause == "user" and outcome in _CANCEL_OUTCOMES:
+            # Only when its cancel is the one that stuck (the first cause wins): a call
+            # its deadline or the server's shutdown had already stopped is not "cancelled".
             self.status = "cancelled"
         else:
             self.status = "failed"
