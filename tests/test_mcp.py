@@ -832,3 +832,21 @@ def test_task_cancel_after_its_deadline_fired_reports_the_first_cause() -> None:
         _end(proc)
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def test_tasks_fail_closed_without_an_owner() -> None:
+    """The connection that owns a task comes from a private attribute of the SDK
+    (``_connection_of``): should an SDK release lose it (None), no task is made and none is
+    shown, rather than every client seeing and cancelling every other's tasks."""
+    from toolpool.mcp._tasks import TaskStore
+
+    store = TaskStore()
+    call: Any = object()
+    with pytest.raises(ValueError, match="owner"):
+        store.create(None, call, None)
+    owner = object()
+    task = store.create(owner, call, None)
+    assert store.get(owner, task.id) is task
+    assert store.get(None, task.id) is None
+    assert list(store.of(None)) == []
+    assert list(store.of(owner)) == [task]

@@ -109,7 +109,11 @@ def _peer_cancelled(ctx: ServerRequestContext[Any, Any]) -> bool:
 
 
 def _connection_of(ctx: ServerRequestContext[Any, Any]) -> Any:
-    """The SDK's per-client ``Connection`` of a request (identity: who owns a task)."""
+    """The SDK's per-client ``Connection`` of a request (identity: who owns a task).
+
+    A private attribute of the SDK 2.3 session. Should a release rename it, this is None and
+    the face fails closed: no task is created, none is shown (``TaskStore``), rather than
+    every client seeing every other's tasks."""
     return getattr(ctx.session, "_connection", None)
 
 
@@ -680,6 +684,12 @@ class McpServer:
                 self._cancel(tracked, _PARENT)
 
     async def _create_task(self, ctx: ServerRequestContext[Any, Any], owner: Any) -> dict[str, Any]:
+        if owner is None:  # (an SDK that no longer shows it: see `_connection_of`)
+            raise MCPError(
+                code=types.INTERNAL_ERROR,
+                message="task-augmented calls are unavailable: this request's connection "
+                "is unknown, so its task could not be kept from other clients",
+            )
         params = types.CallToolRequestParams.model_validate(ctx.params, by_name=False)
         call = self._submit(params.name, params.arguments)
         ttl = params.task.ttl if params.task is not None else None

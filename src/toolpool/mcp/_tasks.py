@@ -133,6 +133,8 @@ class TaskStore:
         self._tasks: dict[str, Task] = {}
 
     def create(self, owner: object, call: Call, ttl_ms: int | None) -> Task:
+        if owner is None:  # fail closed: an ownerless task would be every client's
+            raise ValueError("a task needs an owner (the connection that created it)")
         self._expire()
         ttl = DEFAULT_TASK_TTL_MS if ttl_ms is None else max(1, min(int(ttl_ms), 86_400_000))
         task = Task(id=secrets.token_urlsafe(16), owner=owner, call=call, ttl_ms=ttl)
@@ -141,9 +143,11 @@ class TaskStore:
 
     def get(self, owner: object, task_id: str) -> Task | None:
         task = self._tasks.get(task_id)
-        return task if task is not None and task.owner is owner else None
+        return task if task is not None and owner is not None and task.owner is owner else None
 
     def of(self, owner: object) -> Iterator[Task]:
+        if owner is None:
+            return iter(())
         return (t for t in list(self._tasks.values()) if t.owner is owner)
 
     def _expire(self) -> None:
