@@ -850,3 +850,52 @@ def test_tasks_fail_closed_without_an_owner() -> None:
     assert store.get(None, task.id) is None
     assert list(store.of(None)) == []
     assert list(store.of(owner)) == [task]
+
+
+SERVE_THEN_READ = """
+import sys, threading, anyio, toolpool
+from toolpool.mcp import serve
+
+async def main():
+    async with toolpool.Pool() as pool:
+        await pool.add_provider("t", "tests.mcp_tools:registry", workers=1)
+        print("serving", file=sys.stderr, flush=True)
+        await serve(pool)
+    print("returned", file=sys.stderr, flush=True)
+
+anyio.run(main)
+for thread in threading.enumerate():
+    if thread.name.startswith("toolpool-mcp-stdin"):
+        thread.join(20)
+        assert not thread.is_alive(), "the stdin reader outlived serve()"
+sys.stdout.buffer.write(b"after: " + sys.stdin.buffer.readline())
+"""
+
+
+def test_serve_from_python_leaves_stdin_to_the_program_after_it() -> None:
+    """``serve()`` returned (SIGTERM): its reader thread ends and reads no more of stdin,
+    so the line the program reads next is the program's, not swallowed by a reader left
+    behind."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE_THEN_READ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stderr is not None
+        while b"serving" not in (line := proc.stderr.readline()):
+            assert line, "the program ended before serving"
+        raw.initialize(proc)
+        proc.send_signal(signal.SIGTERM)
+        while b"returned" not in (line := proc.stderr.readline()):
+            assert line, "the program ended before serve() returned"
+        out, _ = proc.communicate(b"hello\n", timeout=60)
+        assert out == b"after: hello\n"
+        assert proc.returncode == 0
+    finally:
+        _end(proc)
+        if proc.stderr is not None:
+            proc.stderr.close()
