@@ -6,6 +6,7 @@ pid and by a marker in a grandchild's argv."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -899,3 +900,44 @@ def test_serve_from_python_leaves_stdin_to_the_program_after_it() -> None:
         _end(proc)
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+async def test_statistics_count_a_cancel_only_where_its_cause_stuck() -> None:
+    """The call's deadline stops it first (cause timeout); the server's cancel that comes
+    during the ladder is not the cause that stuck, so ``statistics().cancelled`` does not
+    count it; the answer says timeout."""
+    marker = f"tp-mcp-{uuid.uuid4().hex}"
+    sigterm = anyio.Event()
+
+    class OnSigterm(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:  # (the pool logs in its loop)
+            if "SIGTERM to its tree" in record.getMessage():
+                sigterm.set()
+
+    handler = OnSigterm()
+    supervisor_log = logging.getLogger("toolpool.supervisor")
+    supervisor_log.addHandler(handler)
+    previous = supervisor_log.level
+    supervisor_log.setLevel(logging.INFO)
+    try:
+        async with _http(timeout=1) as http, _client(http.url) as session:
+            async with anyio.create_task_group() as tg:
+                answers: list[types.CallToolResult] = []
+
+                async def call() -> None:
+                    answers.append(await session.call_tool("stubborn", {"marker": marker}))
+
+                tg.start_soon(call)
+                with anyio.fail_after(60):
+                    await sigterm.wait()  # the deadline fired; the ladder reached SIGTERM
+                assert http.server.cancel_all({"kind": "user"}) == 1
+            content = answers[0].structured_content
+            assert content is not None
+            assert (content["outcome"], content["cause"]) == ("killed", "timeout")
+            assert not _marked(marker)
+            stats = http.server.statistics()
+            assert dict(stats.outcomes) == {"killed": 1}
+            assert dict(stats.cancelled) == {}
+    finally:
+        supervisor_log.removeHandler(handler)
+        supervisor_log.setLevel(previous)

@@ -79,7 +79,9 @@ class McpStatistics:
     outcomes: Mapping[str, int]
     """Settled calls by outcome (``ok``, ``aborted``, ``killed``...)."""
     cancelled: Mapping[str, int]
-    """Calls this server cancelled, by cause (``user``, ``parent``, ``disposed``)."""
+    """Settled calls this server's cancel stopped, by cause (``user``, ``parent``,
+    ``disposed``): counted once settled, and only where that cancel is the cause that stuck
+    (the first wins: a call its deadline stopped first is not counted here)."""
     undelivered: int
     """Settled calls whose result no client received: its request was cancelled, or its
     client went away. Their results are logged (logger ``toolpool.mcp``) and counted here."""
@@ -328,8 +330,7 @@ class McpServer:
         if call.done():
             return
         if tracked.cause is None:
-            tracked.cause = cause
-            self._cancelled[cause.kind] = self._cancelled.get(cause.kind, 0) + 1
+            tracked.cause = cause  # counted once settled, if it is the cause that stuck
         if cause.kind in ("user", "parent"):
             call.cancel(cause, force=force)
         else:  # a runtime cause: only the runtime may give it (C1.2)
@@ -562,6 +563,11 @@ class McpServer:
         else:
             outcome = result.outcome.value
             self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
+            stuck = result.cause["kind"] if result.cause is not None else None
+            if tracked.cause is not None and stuck == tracked.cause.kind:
+                # Ours only if ours came first: a call its deadline had stopped before we
+                # cancelled it is the pool's (cause timeout), not ours.
+                self._cancelled[stuck] = self._cancelled.get(stuck, 0) + 1
             if tracked.task is not None:
                 tracked.task.settle(result, self._task_payload(tracked.task, result))
                 tracked.delivered = True  # it is there for tasks/result
