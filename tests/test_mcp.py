@@ -941,3 +941,46 @@ async def test_statistics_count_a_cancel_only_where_its_cause_stuck() -> None:
     finally:
         supervisor_log.removeHandler(handler)
         supervisor_log.setLevel(previous)
+
+
+async def test_a_change_made_while_announcing_the_last_is_announced_too() -> None:
+    """A catalog change made while ``tools/list_changed`` of the previous one is being
+    sent is announced as well (a client that listed in between must hear of it), and a
+    client that takes its notification slowly holds up no other."""
+    calls: list[str] = []
+    first_sent = anyio.Event()
+    release = anyio.Event()
+    second_sent = anyio.Event()
+
+    class Slow:  # stands in for a client session that takes the first one slowly
+        async def send_tool_list_changed(self) -> None:
+            calls.append("slow")
+            if len(calls) == 1:
+                first_sent.set()
+                await release.wait()
+            else:
+                second_sent.set()
+
+    quick_got = anyio.Event()
+
+    class Quick:
+        async def send_tool_list_changed(self) -> None:
+            quick_got.set()
+
+    async with toolpool.Pool() as pool:
+        server = McpServer(pool)
+        try:
+            async with server:
+                server._connections[1] = Slow()
+                server._connections[2] = Quick()
+                await pool.add_provider("extra", "tests.mcp_tools:extra", workers=1)
+                with anyio.fail_after(30):
+                    await first_sent.wait()
+                    await quick_got.wait()  # not held up by the slow one
+                await pool.remove_provider("extra")  # while the first is being sent
+                release.set()
+                with anyio.fail_after(30):
+                    await second_sent.wait()
+                assert "late" not in server.tools
+        finally:
+            server.close()

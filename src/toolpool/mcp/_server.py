@@ -497,14 +497,23 @@ class McpServer:
 
     async def _announce_changes(self) -> None:
         """Send ``notifications/tools/list_changed`` to every client after a change."""
+        changed = self._list_changed = anyio.Event()
         while True:
-            self._list_changed = anyio.Event()
-            await self._list_changed.wait()
-            for session in list(self._connections.values()):
-                try:
-                    await session.send_tool_list_changed()
-                except Exception:  # a client gone meanwhile: its connection ends anyway
-                    _log.debug("could not send tools/list_changed", exc_info=True)
+            await changed.wait()
+            # Armed again before sending: a change made while we send is announced too.
+            changed = self._list_changed = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                for session in list(self._connections.values()):
+                    tg.start_soon(self._tell_list_changed, session)
+
+    @staticmethod
+    async def _tell_list_changed(session: Any) -> None:
+        # Each client on its own, bounded: one that reads nothing holds up no other.
+        with anyio.move_on_after(5):
+            try:
+                await session.send_tool_list_changed()
+            except Exception:  # a client gone meanwhile: its connection ends anyway
+                _log.debug("could not send tools/list_changed", exc_info=True)
 
     async def _list_tools(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
