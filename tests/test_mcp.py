@@ -984,3 +984,45 @@ async def test_a_change_made_while_announcing_the_last_is_announced_too() -> Non
                 assert "late" not in server.tools
         finally:
             server.close()
+
+
+def test_sigterm_answers_a_pending_tasks_result_before_exiting() -> None:
+    """A client waits on ``tasks/result`` of a running task; SIGTERM drains: the task's
+    call is cancelled (disposed) and that request is answered before the server exits."""
+    proc = raw.start_server()
+    try:
+        raw.initialize(proc)
+        raw.send(
+            proc,
+            {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "tools/call",
+                "params": {"name": "nap", "arguments": {"seconds": 60}, "task": {}},
+            },
+        )
+        task_id = raw.receive(proc)["result"]["task"]["taskId"]
+        raw.send(
+            proc,
+            {"jsonrpc": "2.0", "id": 2, "method": "tasks/result", "params": {"taskId": task_id}},
+        )
+        deadline = time.monotonic() + 30
+        while True:  # the protocol's own way to see the body run: poll tasks/get
+            raw.send(
+                proc,
+                {"jsonrpc": "2.0", "id": 3, "method": "tasks/get", "params": {"taskId": task_id}},
+            )
+            answer = raw.receive(proc)
+            if answer.get("id") == 3 and answer["result"]["statusMessage"].startswith("running"):
+                break
+            assert time.monotonic() < deadline, "the task's body never ran"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        answer = raw.receive(proc)  # EOFError if the server exits without answering
+        while answer.get("id") != 2:
+            answer = raw.receive(proc)
+        content = answer["result"]["structuredContent"]
+        assert (content["outcome"], content["cause"]) == ("aborted", "disposed")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        _end(proc)

@@ -614,12 +614,7 @@ class McpServer:
         self._handlers += 1
         try:
             result = await self._settled(ctx, tracked)
-            if (
-                self._unwritten is not None
-                and ctx.request_id is not None
-                and not _peer_cancelled(ctx)  # (the SDK answers no cancelled request)
-            ):
-                self._unwritten.add(ctx.request_id)  # the SDK writes it once we return
+            self._will_answer(ctx)
             gone = _disconnected(ctx)
             tracked.delivered = not (gone is not None and gone.is_set()) and not _peer_cancelled(
                 ctx
@@ -635,6 +630,34 @@ class McpServer:
             self._handlers -= 1
             self._maybe_idle()
         return types.CallToolResult.model_validate(call_result(result), by_name=False)
+
+    def _will_answer(self, ctx: ServerRequestContext[Any, Any]) -> None:
+        """The handler of this request returns its answer now: over a stream transport, a
+        drain waits until the SDK has written it (``_answers_written``)."""
+        if (
+            self._unwritten is not None
+            and ctx.request_id is not None
+            and not _peer_cancelled(ctx)  # (the SDK answers no cancelled request)
+        ):
+            self._unwritten.add(ctx.request_id)  # the SDK writes it once we return
+
+    async def _answering(
+        self, ctx: ServerRequestContext[Any, Any], work: Awaitable[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """A request that waits on a call (``tasks/result``, ``tasks/cancel``): counted as a
+        handler, so a drain answers it before serving stops, as it does a ``tools/call``."""
+        self._handlers += 1
+        try:
+            answer = await work
+        except MCPError:
+            self._will_answer(ctx)
+            raise
+        else:
+            self._will_answer(ctx)
+            return answer
+        finally:
+            self._handlers -= 1
+            self._maybe_idle()
 
     async def _settled(self, ctx: ServerRequestContext[Any, Any], tracked: _Tracked) -> Result:
         call = tracked.call
@@ -733,6 +756,10 @@ class McpServer:
         self, ctx: ServerRequestContext[Any, Any], params: types.GetTaskPayloadRequestParams
     ) -> dict[str, Any]:
         task = self._task(ctx, params.task_id)
+        return await self._answering(ctx, self._payload_once_done(task))
+
+    @staticmethod
+    async def _payload_once_done(task: Task) -> dict[str, Any]:
         await task.done.wait()
         if task.payload is None:
             raise MCPError(code=types.INTERNAL_ERROR, message=task.message or "no result")
@@ -752,6 +779,10 @@ class McpServer:
         if tracked is not None:
             self._cancel(tracked, _USER)
         # Answered only once the call settled: for a killed call, once its tree is gone.
+        return await self._answering(ctx, self._wire_once_done(task))
+
+    @staticmethod
+    async def _wire_once_done(task: Task) -> dict[str, Any]:
         with anyio.CancelScope(shield=True):
             await task.done.wait()
         return task.wire()
