@@ -1026,3 +1026,29 @@ def test_sigterm_answers_a_pending_tasks_result_before_exiting() -> None:
         assert proc.wait(timeout=30) == 0
     finally:
         _end(proc)
+
+
+def test_stdio_deeply_nested_json_is_refused_not_a_crash() -> None:
+    """A line of a few hundred kilobytes of nested brackets (well under the size limit)
+    is answered with a parse error, and the server serves on."""
+    proc = raw.start_server()
+    try:
+        raw.initialize(proc)
+        assert proc.stdin is not None
+        for line in (
+            b"[" * 100_000 + b"]" * 100_000,
+            b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":'
+            + b"[" * 100_000
+            + b"]" * 100_000
+            + b"}}",
+        ):
+            proc.stdin.write(line + b"\n")
+            proc.stdin.flush()
+            answer = raw.receive(proc)  # EOFError if the server died of it
+            assert answer["error"]["code"] == -32700, answer
+        raw.call(proc, 2, "echo", {"value": 2})
+        assert raw.receive(proc)["result"]["structuredContent"]["value"] == 2
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        _end(proc)

@@ -63,6 +63,8 @@ def parse_line(line: bytes) -> SessionMessage:
         data = json.loads(line)
     except ValueError:
         return _error(PARSE_ERROR, "Parse error: not JSON")
+    except RecursionError:  # a few hundred kilobytes of brackets: refused, never a crash
+        return _error(PARSE_ERROR, "Parse error: nested too deeply")
     request_id = data.get("id") if isinstance(data, dict) else None
     return _error(INVALID_REQUEST, "Invalid Request: not a JSON-RPC 2.0 message", request_id)
 
