@@ -9,7 +9,8 @@ toolpool's supervisor-side Python.
 
 Run it with another checkout's ``src`` first on ``PYTHONPATH`` (and ``TESTS=<its tests>``)
 for a before/after; it sets up the pool's core by its private names, which it handles for the
-versions since the sans-I/O core (issue 13) and since providers (issue 17).
+versions since the sans-I/O core (issue 13), since providers (issue 17) and since the
+machine of parts (issue 25).
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ import anyio
 import toolpool
 from pool_support import FakeWorkerSocket
 from toolpool.protocol import Result, decode_from_supervisor, encode
-from toolpool.supervisor._records import WorkerRecord
 from toolpool.supervisor._results import WorkerState
 from toolpool.supervisor._workerio import WorkerIO
+
+try:  # the machine's parts (issue 25)
+    from toolpool.supervisor.machine import WorkerRecord
+except ImportError:
+    from toolpool.supervisor._records import WorkerRecord  # type: ignore[no-redef]
 
 
 class InstantWorker(FakeWorkerSocket):
@@ -69,7 +74,7 @@ async def main() -> None:
         t0 = time.process_time()
         calls = [pool.submit("noop") for _ in range(n)]
         ready.append(w)
-        core._dispatch()
+        core.dispatch.schedule() if hasattr(core, "fleet") else core._dispatch()
         pool._pump()
         elapsed = time.process_time() - t0
         assert all(c.done() for c in calls)

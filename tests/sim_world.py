@@ -1,4 +1,4 @@
-"""Deterministic simulation of the pool's core (``toolpool.supervisor._core``).
+"""Deterministic simulation of the pool's core (``toolpool.supervisor.machine``).
 
 The core is driven through random schedules against a model of the world: worker processes
 that take calls in order, mark their ledger, run bodies that return, cooperate, ignore their
@@ -54,15 +54,17 @@ from toolpool.protocol import (
     pack_value,
 )
 from toolpool.protocol import Result as ResultMessage
-from toolpool.supervisor._core import PoolCore
-from toolpool.supervisor._lifecycle import REAPER_START_ATTEMPTS
-from toolpool.supervisor._records import (
+from toolpool.supervisor._results import WorkerState
+from toolpool.supervisor.machine import (
+    REAPER_START_ATTEMPTS,
     Autoscale,
     CallRecord,
     Clean,
     Close,
+    CoreConfig,
     GroupRecord,
     Kill,
+    Machine,
     Orphaned,
     Progressed,
     ProviderSpec,
@@ -73,9 +75,7 @@ from toolpool.supervisor._records import (
     Terminate,
     Unkillable,
 )
-from toolpool.supervisor._records import Started as StartedAction
-from toolpool.supervisor._results import WorkerState
-from toolpool.supervisor._state import CoreConfig
+from toolpool.supervisor.machine import Started as StartedAction
 
 #: Tools of the model: (name, body runs in a thread).
 TOOLS = {
@@ -173,7 +173,7 @@ class World:
             heartbeat=HEARTBEAT,
         )
         self.secrets = iter(range(1, 1 << 30))
-        self.core = PoolCore(config, self.probe, lambda: b"s%032d" % next(self.secrets))
+        self.core = Machine(config, self.probe, lambda: b"s%032d" % next(self.secrets))
         self.workers: dict[int, FakeWorker] = {}
         self.reports: collections.deque[tuple[Any, ...]] = collections.deque()
         self.reaper_up = True
@@ -721,7 +721,7 @@ class World:
                 if w.provider is not p:
                     raise Violation(f"{w!r} idle in the wrong provider {p!r}")
         for p in [*core.providers.values(), *core.pending.values()]:
-            serving = core._serving_count(p)
+            serving = core.fleet.serving_count(p)
             if serving > p.spec.size + p.spec.warm_spares:
                 raise Violation(f"{p!r} has {serving} workers serving, sized {p.spec.size}")
             policy = p.autoscale

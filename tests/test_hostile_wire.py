@@ -558,12 +558,10 @@ def test_a_worker_that_says_a_tool_runs_elsewhere_than_the_others_say_is_refused
     directly.)"""
     from core_support import FakeProbe
     from toolpool.protocol import PROTOCOL_VERSION, Hello
-    from toolpool.supervisor._core import PoolCore
-    from toolpool.supervisor._records import WorkerRecord
     from toolpool.supervisor._results import WorkerState
-    from toolpool.supervisor._state import CoreConfig
+    from toolpool.supervisor.machine import CoreConfig, Machine, WorkerRecord
 
-    core = PoolCore(CoreConfig(tools_spec="x:y", size=2), FakeProbe(), lambda: b"s" * 32)
+    core = Machine(CoreConfig(tools_spec="x:y", size=2), FakeProbe(), lambda: b"s" * 32)
     core.starting = False
     provider = core.pending["default"]
     provider.starting = False  # (after its start: a start failure does not fail it at once)

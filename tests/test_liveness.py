@@ -215,7 +215,7 @@ def test_the_core_tells_hung_from_answering_and_refuses_stray_progress() -> None
     core, (w1, w2), _ = core_with_workers(2, heartbeat=1.0)
     for w in (w1, w2):
         w.answered = False  # (as before its hello: from it the heartbeat is expected)
-        core._on_heartbeat(w)
+        core.lifecycle.on_heartbeat(w)
         w.answered = True
     core.heartbeat(1, 2.5)
     core.timer(3.0)  # w2 silent since 0 for 3 intervals: hung; w1 heard at 2.5: not

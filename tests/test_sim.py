@@ -41,9 +41,9 @@ def test_a_schedule_replays_exactly() -> None:
 def test_a_broken_promise_is_caught_and_shrunk(monkeypatch: pytest.MonkeyPatch) -> None:
     """The checks can fail: a core that believes no ledger (every call never taken up)
     reports bodies that ran as never started, and the simulation says so, with a seed."""
-    from toolpool.supervisor._settlement import Settlement
+    from toolpool.supervisor.machine._settlement import Settlement
 
-    monkeypatch.setattr(Settlement, "_read_ledger", lambda self, w: (0, 0))
+    monkeypatch.setattr(Settlement, "read_ledger", lambda self, w: (0, 0))
     summary = sim_world.simulate(0, 200, 300)
     assert summary.failures
     seed, error, shrunk = summary.failures[0]
@@ -64,14 +64,14 @@ def test_a_broken_promise_is_caught_and_shrunk(monkeypatch: pytest.MonkeyPatch) 
 def test_the_unkillable_checks_can_fail(
     monkeypatch: pytest.MonkeyPatch, broken: str, caught: str
 ) -> None:
-    from toolpool.supervisor._lifecycle import Lifecycle
+    from toolpool.supervisor.machine._lifecycle import Lifecycle
 
     def overdue(self: Lifecycle, wid: int) -> None:
-        w = self.workers.get(wid)
+        w = self.s.workers.get(wid)
         if broken == "gone" and w is not None and not w.gone:
-            self._worker_gone(w)
+            self.worker_gone(w)
 
-    monkeypatch.setattr(Lifecycle, "_kill_overdue", overdue)
+    monkeypatch.setattr(Lifecycle, "kill_overdue", overdue)
     summary = sim_world.simulate(0, 300, 300)
     assert summary.failures
     seed, error, shrunk = summary.failures[0]

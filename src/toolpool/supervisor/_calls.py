@@ -1,6 +1,6 @@
 """The public faces of a call and of a group (turn): what callers await and cancel.
 
-Each extends the core's record (``_records.py``) with anyio events to wait on; every decision
+Each extends the core's record (``machine/_records.py``) with anyio events to wait on; every decision
 about them is the core's, reached through the pool (``_pool.py``).
 """
 
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Final, final
 import anyio
 
 from ..core import CancelCause, PoolClosedError, cancel_with_runtime_cause, validate_cause
-from ._records import CallRecord, GroupRecord
 from ._results import Progress, Result
+from .machine import CallRecord, GroupRecord
 
 if TYPE_CHECKING:
     from ._pool import Pool

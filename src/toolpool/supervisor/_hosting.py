@@ -1,7 +1,7 @@
 """The shell's side of providers: their options, their containment, the public calls that
 add, remove, reload and resize them, and the events consumers mirror (``_events.py``).
 
-The decisions are the core's (``_providers.py``); this turns its provider actions into
+The decisions are the core's (``machine/_fleet.py``); this turns its provider actions into
 events for the listeners and waits, for the caller, until what it asked for holds.
 """
 
@@ -19,7 +19,6 @@ from ..core import ConfigurationError, PoolClosedError, ToolConflictError, Worke
 from ..sandbox import Profile, parse_size
 from ..sandbox._cgroups import CgroupSet
 from ._containment import containment_report, supervisor_layers
-from ._core import PoolCore
 from ._events import (
     Listener,
     Listeners,
@@ -33,8 +32,10 @@ from ._events import (
     WorkerStarted,
     frozen_catalog,
 )
-from ._records import (
+from ._results import ContainmentReport
+from .machine import (
     Autoscale,
+    Machine,
     ProviderDown,
     ProviderRecord,
     ProviderSpec,
@@ -43,10 +44,9 @@ from ._records import (
     WorkerDown,
     WorkerUp,
 )
-from ._records import (
+from .machine import (
     ProviderResized as ResizedAction,
 )
-from ._results import ContainmentReport
 
 __all__ = ("DEFAULT_PREFETCH", "Hosting", "ProviderOptions", "provider_options")
 
@@ -175,7 +175,7 @@ class Hosting:
     # (the pool's, set in Pool.__init__ and Pool.start)
     max_frame: int
     start_timeout: float
-    _core: PoolCore
+    _core: Machine
     _options: dict[str, ProviderOptions]
     _listeners: Listeners
     _rollbacks: dict[int, tuple[BaseException, list[Listener]]]
@@ -298,7 +298,7 @@ class Hosting:
         want = workers + p.spec.warm_spares
         while not self._closing_now() and p.live:
             mine = [w for w in core.workers.values() if w.provider is p]
-            serving = [w for w in mine if core._serves(w)]
+            serving = [w for w in mine if core.fleet.serves(w)]
             ready = [w for w in serving if w.start_method is not None and w.answered]
             if len(mine) <= want and len(ready) >= want:
                 break

@@ -1,6 +1,6 @@
 """The pool's shell: the public :class:`Pool`, and the I/O its core asks for.
 
-Every decision is the core's (``_core.py``: a state machine, events in, actions out). This
+Every decision is the core's (``machine/``: a state machine, events in, actions out). This
 file only turns the world into events (a worker's messages and its connection, the reaper's
 reports, time) and performs the actions (send frames, start workers, signal trees, wake
 callers). The tasks: one reader and one connection watcher per worker socket, the reaper's
@@ -41,8 +41,6 @@ from ..sandbox import Profile
 from ._calls import Call, Group, await_call
 from ._channels import Channels
 from ._containment import containment_report
-from ._core import PoolCore
-from ._dispatch import QUEUE_BEHIND_FOR
 from ._events import Listeners, ProviderRemoved, ToolsChanged, frozen_catalog
 from ._hosting import (
     DEFAULT_PREFETCH,
@@ -53,20 +51,22 @@ from ._hosting import (
     prepare_layers,
     provider_options,
 )
-from ._lifecycle import EXIT_TOOLS_FAILED
 from ._map import MapIterator
 from ._observe import abandon_unsettled, close_report, snapshot, wait_settled_or_stuck
-from ._records import (
-    KILLED_TEXT,
-    TIMEOUT_TEXT,
-    WORKER_LOST_TEXT,
-)
 from ._results import CallableDict, CallableList, ContainmentReport, Result, Statistics
-from ._state import CoreConfig
 from ._workerio import (
     KILL_WAIT,
     WorkerFiles,
     WorkerIO,
+)
+from .machine import (
+    EXIT_TOOLS_FAILED,
+    KILLED_TEXT,
+    QUEUE_BEHIND_FOR,
+    TIMEOUT_TEXT,
+    WORKER_LOST_TEXT,
+    CoreConfig,
+    Machine,
 )
 
 __all__ = (
@@ -240,7 +240,7 @@ class Pool(Channels, Hosting):
         self.capture_output = options.capture_output if options is not None else None
         self._files = WorkerFiles()
         spec = options.spec() if options is not None else None
-        self._core = PoolCore(
+        self._core = Machine(
             CoreConfig(
                 tools_spec=spec.tools_spec if spec else "",
                 size=spec.size if spec else 0,

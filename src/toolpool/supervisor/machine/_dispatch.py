@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from typing import Final
 
-from ..core import CancelCause
-from ..protocol import Call as CallMessage
-from ..protocol import Recall, Resume, encode
-from ._records import CallRecord, CallState, ProviderRecord, Send, WorkerRecord
-from ._results import Rung, WorkerState
+from ...core import CancelCause
+from ...protocol import Call as CallMessage
+from ...protocol import Recall, Resume, Shutdown, encode
+from .._results import Rung, WorkerState
+from ._actions import Send
+from ._records import CallRecord, CallState, ProviderRecord, WorkerRecord
 from ._settlement import Settlement
+from ._state import State
 
 __all__ = ("QUEUE_BEHIND_FOR", "Dispatch")
 
@@ -27,27 +29,31 @@ _PARENT: Final = CancelCause("parent")
 QUEUE_BEHIND_FOR: Final = 0.005
 
 
-class Dispatch(Settlement):
-    """Queueing and dispatch."""
+class Dispatch:
+    """Queueing and dispatch: which worker runs which call, and when a worker serves on."""
 
-    def _dispatch(self) -> None:
+    def __init__(self, state: State, settlement: Settlement) -> None:
+        self.s = state
+        self.settlement = settlement
+
+    def schedule(self) -> None:
         """Dispatch once the events read so far are handled (``flush``): the calls their
         results freed room for then go in one message per worker, not one each."""
-        self._dispatch_due = True
+        self.s.dispatch_due = True
 
-    def _dispatch_once(self) -> None:
-        if self.closing:
+    def run(self) -> None:
+        if self.s.closing:
             return  # what is still queued settles as aborted_before_dispatch (disposed)
-        for p in self.providers.values():
+        for p in self.s.providers.values():
             if p.queue and p.state == "active":
                 self._dispatch_provider(p)
             elif p.spec.prefetch and p.state == "active":
-                self._steal(p, self.now)
+                self._steal(p, self.s.now)
 
     def _dispatch_provider(self, p: ProviderRecord) -> None:
         queue = p.queue
         batches: dict[WorkerRecord, list[CallRecord]] = {}
-        now = self.now
+        now = self.s.now
         while queue:
             call = queue[0]
             if call._state is not CallState.QUEUED:  # settled while queued
@@ -56,7 +62,7 @@ class Dispatch(Settlement):
                 continue
             group = call._group
             if group is not None and group.cancelled:  # C5.2: never dispatched after its cancel
-                self._abort_queued(call, group.signal.reason or _PARENT)  # (drops it)
+                self.settlement.abort_queued(call, group.signal.reason or _PARENT)  # (drops it)
                 continue
             w = self._pick(p, now)
             if w is None:
@@ -69,14 +75,14 @@ class Dispatch(Settlement):
                     p.ready.remove(w)
                 w.head_since = now
                 w.state = WorkerState.BUSY
-                self.probe.reset_peak(w.wid)  # the call's peak starts now
+                self.s.probe.reset_peak(w.wid)  # the call's peak starts now
             w.calls.append(call)
             call._worker = w
             call._state = CallState.SENT
             batches.setdefault(w, []).append(call)
         if p.settled_in_queue:
-            self._compact_queue(p)  # (what went out may leave it mostly settled calls)
-        out = self._out
+            self.settlement.compact_queue(p)  # (what went out may leave it mostly settled calls)
+        out = self.s.out
         for w, calls in batches.items():
             # One multipart message per worker: one wake-up of zmq's I/O thread for all of
             # them (each part is one 'call' frame).
@@ -94,7 +100,7 @@ class Dispatch(Settlement):
         ready = p.ready
         spec = p.spec
         spares = spec.warm_spares
-        while ready and not (spares and self._serving(p) >= spec.size):
+        while ready and not (spares and self.serving(p) >= spec.size):
             w = ready[-1]
             if w.state is WorkerState.READY and not w.gone and not w.calls:
                 return w
@@ -105,7 +111,7 @@ class Dispatch(Settlement):
         best: WorkerRecord | None = None
         limit = prefetch + 1
         threaded = p.threaded
-        for w in self.workers.values():
+        for w in self.s.workers.values():
             n = len(w.calls)
             if (
                 0 < n < limit
@@ -132,9 +138,9 @@ class Dispatch(Settlement):
         front of p's queue); and while nothing is queued here but a worker is idle, as many
         as there are idle workers, to run on them."""
         idle = len(p.ready)
-        if p.queue or (p.spec.warm_spares and self._serving(p) >= p.spec.size):
+        if p.queue or (p.spec.warm_spares and self.serving(p) >= p.spec.size):
             idle = 0
-        for w in list(self.workers.values()):
+        for w in list(self.s.workers.values()):
             if len(w.calls) < 2 or w.state is not WorkerState.BUSY or w.provider is not p:
                 continue
             stuck = now - w.head_since >= QUEUE_BEHIND_FOR
@@ -142,18 +148,18 @@ class Dispatch(Settlement):
                 continue
             for call in list(w.calls)[:0:-1]:  # newest first, never the one it runs
                 if stuck:
-                    self._recall(w, call)
+                    self.recall(w, call)
                 elif idle <= 0:
                     break
-                elif self._recall(w, call):
+                elif self.recall(w, call):
                     idle -= 1
 
-    def _enqueue(self, call: CallRecord, *, front: bool = False) -> None:
+    def enqueue(self, call: CallRecord, *, front: bool = False) -> None:
         """Queue call for the provider its tool resolves to now; a tool no provider has any
         more (its provider was removed) settles it, never started (cause ``disposed``)."""
-        p = self.owner.get(call.tool)
+        p = self.s.owner.get(call.tool)
         if p is None:
-            self._abort_queued(call, _DISPOSED)
+            self.settlement.abort_queued(call, _DISPOSED)
             return
         if front:
             p.queue.appendleft(call)
@@ -162,10 +168,10 @@ class Dispatch(Settlement):
         call._queued = True
         call._provider = p
         if p.broken is not None:  # it fails like the rest of its queue did
-            self._fail_queue(p)
-        self._dispatch()
+            self.settlement.fail_queue(p)
+        self.schedule()
 
-    def _requeue(self, call: CallRecord) -> None:
+    def requeue(self, call: CallRecord) -> None:
         """A call its worker never took up goes back to the front of the queue."""
         call._worker = None
         call._state = CallState.QUEUED
@@ -173,31 +179,31 @@ class Dispatch(Settlement):
         call._rung = Rung.NONE
         for step in ("dispatched", "sigterm", "sigkill"):
             call._times.pop(step, None)
-        if self.closing:  # nothing is dispatched any more
-            self._abort_queued(call, _DISPOSED)
+        if self.s.closing:  # nothing is dispatched any more
+            self.settlement.abort_queued(call, _DISPOSED)
             return
-        self._enqueue(call, front=True)
+        self.enqueue(call, front=True)
 
-    def _serving(self, p: ProviderRecord) -> int:
+    def serving(self, p: ProviderRecord) -> int:
         # (an unkillable worker's call holds no slot: its replacement serves in its place)
         return sum(
             1
-            for w in self.workers.values()
+            for w in self.s.workers.values()
             if w.calls and w.provider is p and w.state is not WorkerState.UNKILLABLE
         )
 
-    def _behind(self, w: WorkerRecord, call: CallRecord) -> list[CallRecord]:
+    def behind(self, w: WorkerRecord, call: CallRecord) -> list[CallRecord]:
         """The calls sent to w after call, still in w."""
         calls = list(w.calls)
         return calls[calls.index(call) + 1 :] if call in calls else []
 
-    def _recall_behind(self, w: WorkerRecord, call: CallRecord) -> None:
+    def recall_behind(self, w: WorkerRecord, call: CallRecord) -> None:
         """Ask w to give back the calls waiting behind call (a cancelled one is withdrawn on
         its cancel)."""
-        for queued in self._behind(w, call):
-            self._recall(w, queued)
+        for queued in self.behind(w, call):
+            self.recall(w, queued)
 
-    def _recall(self, w: WorkerRecord, call: CallRecord) -> bool:
+    def recall(self, w: WorkerRecord, call: CallRecord) -> bool:
         """Ask w to give call back, unless that is asked already or it is cancelled (then its
         cancel withdraws it), or it is no longer w's. True if asked now."""
         if call._recalling or call._cause is not None:
@@ -205,30 +211,37 @@ class Dispatch(Settlement):
         if call._worker is not w or call._result is not None:
             return False
         call._recalling = True
-        self._send(w, encode(Recall(call.id)))
+        self.send(w, encode(Recall(call.id)))
         return True
 
-    def _retire(self, w: WorkerRecord) -> None:
-        raise NotImplementedError  # (_escalation.py)
+    def retire(self, w: WorkerRecord) -> None:
+        """Tell w to exit once idle (it withdraws the calls it has not taken up)."""
+        if w in w.provider.ready:
+            w.provider.ready.remove(w)
+        w.state = WorkerState.RETIRING
+        w.retired = True
+        for call in w.calls:
+            call._recalling = True
+        self.send(w, encode(Shutdown()))
 
-    def _send(self, w: WorkerRecord, frame: bytes) -> None:
+    def send(self, w: WorkerRecord, frame: bytes) -> None:
         """Send a control frame to w (if it is gone, nobody reads it: nothing is lost)."""
         if not w.gone:
-            self._act(Send(w.wid, [frame]))
+            self.s.act(Send(w.wid, [frame]))
 
-    def _resume(self, w: WorkerRecord) -> None:
+    def resume(self, w: WorkerRecord) -> None:
         """w settled or gave back a call, or its clean-up ended: it serves on (idle if it
         holds no call); then dispatch what is queued."""
         if not w.gone:
-            if w.holding and not self.reaper_up:  # nobody can clean up: do not wait for it
+            if w.holding and not self.s.reaper_up:  # nobody can clean up: do not wait for it
                 w.holding = False
-                self._send(w, encode(Resume()))
+                self.send(w, encode(Resume()))
             if w.state is WorkerState.CLEANING and w.pending is None and not w.holding:
                 w.state = WorkerState.BUSY
             if w.state is WorkerState.BUSY and not w.calls:
                 if w.draining or w.provider.state != "active":
-                    self._retire(w)  # (a shrink, or its provider was removed or reloaded)
+                    self.retire(w)  # (a shrink, or its provider was removed or reloaded)
                 else:
                     w.state = WorkerState.READY
                     w.provider.ready.append(w)
-        self._dispatch_due = True  # (_dispatch, inline: once per call)
+        self.s.dispatch_due = True  # (_dispatch, inline: once per call)
