@@ -31,7 +31,7 @@ from toolpool.supervisor._results import WorkerState
 from toolpool.supervisor._workerio import WorkerIO
 
 try:  # the machine's parts (issue 25)
-    from toolpool.supervisor.machine import WorkerRecord
+    from toolpool.supervisor.machine import ProviderState, WorkerRecord
 except ImportError:
     from toolpool.supervisor._records import WorkerRecord  # type: ignore[no-redef]
 
@@ -54,7 +54,10 @@ async def main() -> None:
         core: Any = pool._core
         if hasattr(core, "owner"):  # providers (issue 17)
             p = core.pending.pop("default")
-            p.state, p.starting = "active", False
+            if hasattr(p, "advance"):  # a transition table (issue 25)
+                p.advance(ProviderState.ACTIVE)
+            else:
+                p.state, p.starting = "active", False
             core.providers["default"] = p
             p.catalog["noop"] = {"name": "noop"}
             core.owner["noop"] = p

@@ -7,7 +7,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from toolpool.supervisor._results import WorkerState
-from toolpool.supervisor.machine import CoreConfig, Machine, ProviderRecord, Send, WorkerRecord
+from toolpool.supervisor.machine import (
+    CoreConfig,
+    Machine,
+    ProviderRecord,
+    ProviderState,
+    Send,
+    WorkerRecord,
+)
 
 __all__ = ("FakeProbe", "core_with_workers", "sent")
 
@@ -71,8 +78,7 @@ def serve(core: Machine, tools: Iterable[str], *, threaded: Iterable[str] = ()) 
     """Make the core's default provider active with ``tools``, as if its workers had said
     hello (they are the test's to add)."""
     p = core.pending.pop("default")
-    p.state = "active"
-    p.starting = False
+    p.advance(ProviderState.ACTIVE)
     core.providers["default"] = p
     for tool in tools:
         p.catalog[tool] = {"name": tool}

@@ -63,6 +63,7 @@ from toolpool.supervisor.machine import (
     Close,
     CoreConfig,
     GroupRecord,
+    IllegalMove,
     Kill,
     Machine,
     Orphaned,
@@ -693,6 +694,10 @@ class World:
 
     def check(self) -> None:
         core = self.core
+        try:
+            core.check()  # the machine's own invariants, at the records' fields
+        except AssertionError as exc:
+            raise Violation(f"the machine's invariant broke: {exc!r}") from exc
         # Two-level liveness: the core says a worker is hung exactly when it has read
         # neither hello nor heartbeat from it for HUNG_AFTER; one that beats never is.
         for wid, core_w in core.workers.items():
@@ -898,7 +903,15 @@ def shape(seed: int) -> dict[str, int]:
 
 
 def run(seed: int, steps: list[tuple[Any, ...]]) -> World:
-    """Replay one schedule exactly; raises :class:`Violation` where an invariant breaks."""
+    """Replay one schedule exactly; raises :class:`Violation` where an invariant breaks (or
+    a record of the machine is asked to move where its transition table forbids)."""
+    try:
+        return _run(seed, steps)
+    except IllegalMove as exc:
+        raise Violation(str(exc)) from exc
+
+
+def _run(seed: int, steps: list[tuple[Any, ...]]) -> World:
     world = World(seed, **shape(seed))
     world.core.start(world.now)
     world.flush()

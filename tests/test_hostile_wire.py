@@ -556,15 +556,14 @@ def test_a_worker_that_says_a_tool_runs_elsewhere_than_the_others_say_is_refused
     says otherwise than the workers before it breaks the protocol, and changes nothing: calls
     never queue behind an async body on its word. (White box: the pool's core, fed hellos
     directly.)"""
-    from core_support import FakeProbe
+    from core_support import FakeProbe, serve
     from toolpool.protocol import PROTOCOL_VERSION, Hello
     from toolpool.supervisor._results import WorkerState
     from toolpool.supervisor.machine import CoreConfig, Machine, WorkerRecord
 
     core = Machine(CoreConfig(tools_spec="x:y", size=2), FakeProbe(), lambda: b"s" * 32)
     core.starting = False
-    provider = core.pending["default"]
-    provider.starting = False  # (after its start: a start failure does not fail it at once)
+    provider = serve(core, [])  # (after its start: a start failure does not fail it at once)
     first, second = (WorkerRecord(wid, b"s" * 32, provider) for wid in (1, 2))
     for w in (first, second):
         core.workers[w.wid] = w

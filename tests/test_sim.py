@@ -4,6 +4,8 @@ many more). A failure names its seed and the shrunk steps that replay it."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -76,5 +78,84 @@ def test_the_unkillable_checks_can_fail(
     assert summary.failures
     seed, error, shrunk = summary.failures[0]
     assert caught in error, error
+    with pytest.raises(sim_world.Violation):
+        sim_world.run(seed, shrunk)
+
+
+def _kill_at_once_on_force(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forced cancel SIGKILLs its worker at once, even while the call waits behind
+    another (whose body nobody cancelled)."""
+    from toolpool.supervisor.machine._ladder import Ladder
+
+    cancel = Ladder.cancel
+
+    def broken(self: Ladder, call: Any, cause: Any, *, force: bool) -> None:
+        w = call._worker
+        if force and w is not None and call._result is None:
+            self.settlement.record_cause(call, cause)
+            call._forced = True
+            self._kill(w, call)
+            return
+        cancel(self, call, cause, force=force)
+
+    monkeypatch.setattr(Ladder, "cancel", broken)
+
+
+def _no_group_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine never sees a group cancelled: its later calls are queued and sent."""
+    from toolpool.supervisor.machine import GroupRecord
+
+    monkeypatch.setattr(GroupRecord, "cancelled", property(lambda self: False))
+
+
+def _settle_on_kill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call settles as killed when its worker's SIGKILL is asked, not once its tree is
+    gone."""
+    from toolpool.core import Outcome
+    from toolpool.supervisor.machine._ladder import Ladder
+
+    kill = Ladder._kill
+
+    def broken(self: Ladder, w: Any, call: Any) -> None:
+        kill(self, w, call)
+        self.settlement.settle(
+            call, Outcome.KILLED, error="killed", error_name="Killed", body_started=None
+        )
+
+    monkeypatch.setattr(Ladder, "_kill", broken)
+
+
+def _ledger_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The post-mortem believes no ledger: every call of a dead worker never taken up."""
+    from toolpool.supervisor.machine._settlement import Settlement
+
+    monkeypatch.setattr(Settlement, "read_ledger", lambda self, w: (0, 0))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("bug", "caught"),
+    [
+        (_kill_at_once_on_force, ("which nobody cancelled",)),
+        (_no_group_check, ("sent after their group's cancel",)),
+        (_settle_on_kill, ("while worker",)),
+        (_ledger_ignored, ("but its body ran", "ran 2 times")),
+    ],
+    ids=["kill at once on force", "no group check", "settle on kill", "ledger ignored"],
+)
+def test_the_four_deliberate_bugs_are_caught_through_the_machines_parts(
+    monkeypatch: pytest.MonkeyPatch,
+    bug: Callable[[pytest.MonkeyPatch], None],
+    caught: tuple[str, ...],
+) -> None:
+    """Each of the four bugs the simulation was first checked against, put into the part
+    of the machine where it would live, is caught within a few dozen schedules, and its
+    shrunk schedule replays the failure."""
+    bug(monkeypatch)
+    summary = sim_world.simulate(0, 300, 300)
+    assert summary.failures, "not caught"
+    seed, error, shrunk = summary.failures[0]
+    assert any(text in error for text in caught), error
+    assert seed < 100, f"caught only at seed {seed}"
     with pytest.raises(sim_world.Violation):
         sim_world.run(seed, shrunk)

@@ -1,7 +1,7 @@
 """The public faces of a call and of a group (turn): what callers await and cancel.
 
-Each extends the core's record (``machine/_records.py``) with anyio events to wait on; every decision
-about them is the core's, reached through the pool (``_pool.py``).
+Each extends the machine's record (``machine/_records.py``) with anyio events to wait on;
+every decision about them is the machine's, reached through the pool (``_pool.py``).
 """
 
 from __future__ import annotations

@@ -31,20 +31,30 @@ from ._dispatch import QUEUE_BEHIND_FOR
 from ._lifecycle import EXIT_TOOLS_FAILED, HUNG_AFTER_BEATS, REAPER_START_ATTEMPTS
 from ._machine import Machine
 from ._records import (
+    CALL_MOVES,
     KILLED_TEXT,
+    PROVIDER_MOVES,
     TIMEOUT_TEXT,
     WORKER_LOST_TEXT,
+    WORKER_MOVES,
     Autoscale,
     CallRecord,
     CallState,
     GroupRecord,
+    IllegalMove,
     ProviderRecord,
     ProviderSpec,
+    ProviderState,
     WorkerRecord,
 )
 from ._state import KILL_TO_REAPED_BOUNDS, SETTLE_LATENCY_BOUNDS, CoreConfig, Probe, State, Tally
 
 __all__ = (
+    "CALL_MOVES",
+    "PROVIDER_MOVES",
+    "WORKER_MOVES",
+    "IllegalMove",
+    "ProviderState",
     "EXIT_TOOLS_FAILED",
     "HUNG_AFTER_BEATS",
     "KILLED_TEXT",

@@ -11,7 +11,7 @@ from ...protocol import Call as CallMessage
 from ...protocol import Recall, Resume, Shutdown, encode
 from .._results import Rung, WorkerState
 from ._actions import Send
-from ._records import CallRecord, CallState, ProviderRecord, WorkerRecord
+from ._records import CallRecord, CallState, ProviderRecord, ProviderState, WorkerRecord
 from ._settlement import Settlement
 from ._state import State
 
@@ -20,6 +20,14 @@ __all__ = ("QUEUE_BEHIND_FOR", "Dispatch")
 _new_send = tuple.__new__  # a Send without its Python-level __new__ (the hot path)
 _DISPOSED: Final = CancelCause("disposed")
 _PARENT: Final = CancelCause("parent")
+
+# States bound to names once: a member of an enum read through its class
+# (``WorkerState.READY``) is a slow attribute lookup on Python 3.11, and dispatch reads
+# them for every call.
+_QUEUED, _SENT = CallState.QUEUED, CallState.SENT
+_ACTIVE = ProviderState.ACTIVE
+_READY, _BUSY, _CLEANING = WorkerState.READY, WorkerState.BUSY, WorkerState.CLEANING
+_RETIRING, _UNKILLABLE = WorkerState.RETIRING, WorkerState.UNKILLABLE
 
 #: A call is sent to wait behind another in a busy worker only while the call first in line
 #: there has been so for less than this (seconds); calls waiting behind one that has taken
@@ -42,13 +50,17 @@ class Dispatch:
         self.s.dispatch_due = True
 
     def run(self) -> None:
-        if self.s.closing:
+        """One dispatch pass, over every active provider's queue."""
+        s = self.s
+        if s.closing:
             return  # what is still queued settles as aborted_before_dispatch (disposed)
-        for p in self.s.providers.values():
-            if p.queue and p.state == "active":
+        for p in s.providers.values():
+            if p.state is not _ACTIVE:
+                continue
+            if p.queue:
                 self._dispatch_provider(p)
-            elif p.spec.prefetch and p.state == "active":
-                self._steal(p, self.s.now)
+            elif p.spec.prefetch:
+                self._steal(p, s.now)
 
     def _dispatch_provider(self, p: ProviderRecord) -> None:
         queue = p.queue
@@ -56,7 +68,7 @@ class Dispatch:
         now = self.s.now
         while queue:
             call = queue[0]
-            if call._state is not CallState.QUEUED:  # settled while queued
+            if call._state is not _QUEUED:  # settled while queued
                 queue.popleft()
                 p.settled_in_queue = max(0, p.settled_in_queue - 1)
                 continue
@@ -74,11 +86,11 @@ class Dispatch:
                 if w in p.ready:
                     p.ready.remove(w)
                 w.head_since = now
-                w.state = WorkerState.BUSY
+                w.advance(_BUSY)
                 self.s.probe.reset_peak(w.wid)  # the call's peak starts now
             w.calls.append(call)
             call._worker = w
-            call._state = CallState.SENT
+            call._advance(_SENT)
             batches.setdefault(w, []).append(call)
         if p.settled_in_queue:
             self.settlement.compact_queue(p)  # (what went out may leave it mostly settled calls)
@@ -102,7 +114,7 @@ class Dispatch:
         spares = spec.warm_spares
         while ready and not (spares and self.serving(p) >= spec.size):
             w = ready[-1]
-            if w.state is WorkerState.READY and not w.gone and not w.calls:
+            if w.state is _READY and not w.gone and not w.calls:
                 return w
             ready.pop()
         prefetch = spec.prefetch
@@ -116,7 +128,7 @@ class Dispatch:
             if (
                 0 < n < limit
                 and w.provider is p
-                and w.state is WorkerState.BUSY
+                and w.state is _BUSY
                 and not w.gone
                 and not w.draining
                 and (best is None or n < len(best.calls))
@@ -141,7 +153,7 @@ class Dispatch:
         if p.queue or (p.spec.warm_spares and self.serving(p) >= p.spec.size):
             idle = 0
         for w in list(self.s.workers.values()):
-            if len(w.calls) < 2 or w.state is not WorkerState.BUSY or w.provider is not p:
+            if len(w.calls) < 2 or w.state is not _BUSY or w.provider is not p:
                 continue
             stuck = now - w.head_since >= QUEUE_BEHIND_FOR
             if not stuck and idle <= 0:
@@ -174,7 +186,7 @@ class Dispatch:
     def requeue(self, call: CallRecord) -> None:
         """A call its worker never took up goes back to the front of the queue."""
         call._worker = None
-        call._state = CallState.QUEUED
+        call._advance(_QUEUED)
         call._recalling = False
         call._rung = Rung.NONE
         for step in ("dispatched", "sigterm", "sigkill"):
@@ -189,7 +201,7 @@ class Dispatch:
         return sum(
             1
             for w in self.s.workers.values()
-            if w.calls and w.provider is p and w.state is not WorkerState.UNKILLABLE
+            if w.calls and w.provider is p and w.state is not _UNKILLABLE
         )
 
     def behind(self, w: WorkerRecord, call: CallRecord) -> list[CallRecord]:
@@ -218,7 +230,7 @@ class Dispatch:
         """Tell w to exit once idle (it withdraws the calls it has not taken up)."""
         if w in w.provider.ready:
             w.provider.ready.remove(w)
-        w.state = WorkerState.RETIRING
+        w.advance(_RETIRING)
         w.retired = True
         for call in w.calls:
             call._recalling = True
@@ -236,12 +248,12 @@ class Dispatch:
             if w.holding and not self.s.reaper_up:  # nobody can clean up: do not wait for it
                 w.holding = False
                 self.send(w, encode(Resume()))
-            if w.state is WorkerState.CLEANING and w.pending is None and not w.holding:
-                w.state = WorkerState.BUSY
-            if w.state is WorkerState.BUSY and not w.calls:
-                if w.draining or w.provider.state != "active":
+            if w.state is _CLEANING and w.pending is None and not w.holding:
+                w.advance(_BUSY)
+            if w.state is _BUSY and not w.calls:
+                if w.draining or w.provider.state is not _ACTIVE:
                     self.retire(w)  # (a shrink, or its provider was removed or reloaded)
                 else:
-                    w.state = WorkerState.READY
+                    w.advance(_READY)
                     w.provider.ready.append(w)
         self.s.dispatch_due = True  # (_dispatch, inline: once per call)

@@ -22,7 +22,7 @@ from .._results import WorkerState
 from ._actions import Changed, ProviderDown, ProviderResized, ProviderUp, Spawn
 from ._dispatch import Dispatch
 from ._ladder import Ladder
-from ._records import Autoscale, ProviderRecord, ProviderSpec, WorkerRecord
+from ._records import Autoscale, ProviderRecord, ProviderSpec, ProviderState, WorkerRecord
 from ._settlement import Settlement
 from ._state import State
 
@@ -182,7 +182,7 @@ class Fleet:
             return
         policy, now, size = p.autoscale, self.s.now, p.spec.size
         self.s.arm(self.s.now + SCALE_TICK, "scale", p.id)
-        if p.state != "active":
+        if p.state is not ProviderState.ACTIVE:
             return
         waited = self._longest_wait(p)
         if waited is not None and waited >= policy.grow_after:
@@ -210,7 +210,7 @@ class Fleet:
     def drain_due(self, provider_id: int) -> None:
         """A removed provider's drain_grace is over: cancel what it still runs."""
         p = self.s.providers_by_id.get(provider_id)
-        if p is None or p.state != "draining":
+        if p is None or p.state is not ProviderState.DRAINING:
             return
         for w in list(self.s.workers.values()):
             if w.provider is p:
@@ -223,7 +223,7 @@ class Fleet:
     def maybe_activate(self, p: ProviderRecord) -> None:
         """p is starting: once every worker it started with is ready (hello said, and the
         reaper reported how it started it), its tools become resolvable."""
-        if p.state != "starting" or self.s.pending.get(p.name) is not p:
+        if p.state is not ProviderState.STARTING or self.s.pending.get(p.name) is not p:
             return
         want = p.spec.size + p.spec.warm_spares
         ready = sum(
@@ -246,8 +246,7 @@ class Fleet:
                 )
                 return
         del self.s.pending[p.name]
-        p.state = "active"
-        p.starting = False
+        p.advance(ProviderState.ACTIVE)
         if old is not None:
             self._unpublish(old)
         self.s.providers[p.name] = p
@@ -288,7 +287,7 @@ class Fleet:
         removal): stop its workers; nothing of it was published."""
         if self.s.pending.get(p.name) is p:
             del self.s.pending[p.name]
-        p.state = "failed"
+        p.advance(ProviderState.FAILED)
         if error is not None and p.broken is None:
             p.broken = (
                 error
@@ -316,7 +315,7 @@ class Fleet:
     def _drain(self, p: ProviderRecord, reason: str) -> None:
         """p resolves no more: what is queued for it settles, its idle workers exit, its
         busy ones finish (``drain_grace``, then a cancel with cause ``disposed``)."""
-        p.state = "draining"
+        p.advance(ProviderState.DRAINING)
         p.reason = reason
         self.s.draining.append(p)
         queued = [c for c in p.queue if c._queued]
@@ -350,8 +349,8 @@ class Fleet:
 
     def gone(self, p: ProviderRecord) -> None:
         """Every worker of a draining (or failed) provider is gone."""
-        if p.state == "draining":
-            p.state = "gone"
+        if p.state is ProviderState.DRAINING:
+            p.advance(ProviderState.GONE)
         if p in self.s.draining:
             self.s.draining.remove(p)
         self.s.providers_by_id.pop(p.id, None)

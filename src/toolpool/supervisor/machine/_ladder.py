@@ -189,7 +189,7 @@ class Ladder:
         """SIGTERM w's tree, escalating ``call``."""
         w.escalated = True
         if w.state is not WorkerState.UNKILLABLE:
-            w.state = WorkerState.QUARANTINED
+            w.advance(WorkerState.QUARANTINED)
         self.signalled(w, call, Rung.SIGTERM)
         why, text = self._why_unsettled(w, call)
         _log.info(
@@ -247,8 +247,6 @@ class Ladder:
 
     def quarantine(self, w: WorkerRecord, violation: str | None) -> None:
         """Take w out of service for good and kill its tree (C4.2, C7)."""
-        if violation is not None:
-            w.violated = True
         if violation is not None and w.violation is None:
             w.violation = violation
             _log.warning(
@@ -260,9 +258,11 @@ class Ladder:
             )
         if w in w.provider.ready:
             w.provider.ready.remove(w)
+        if w.gone:
+            return
         if w.state is not WorkerState.UNKILLABLE:
-            w.state = WorkerState.QUARANTINED
-        if not w.gone and not w.orphaned:
+            w.advance(WorkerState.QUARANTINED)
+        if not w.orphaned:
             self.kill_tree(w)
             if violation is not None:
                 self.signalled(w, None, Rung.SIGKILL)

@@ -43,7 +43,7 @@ from ._actions import (
 from ._dispatch import Dispatch
 from ._fleet import Fleet
 from ._ladder import Ladder
-from ._records import CallState, WorkerRecord
+from ._records import CallState, ProviderState, WorkerRecord
 from ._settlement import Settlement, describe_exit
 from ._state import Proc, State, Wait
 
@@ -147,7 +147,7 @@ class Lifecycle:
             if call is None or call.id != msg.call_id or call._started:
                 raise ProtocolViolation(f"'started' for call {msg.call_id}, which it does not run")
             call._started = True
-            call._state = CallState.RUNNING
+            call._advance(CallState.RUNNING)
             call._times["started"] = self.s.now
             self.s.act(Started(call))
         elif isinstance(msg, CancelAck):
@@ -272,7 +272,7 @@ class Lifecycle:
             # can say how many, and the next call never inherits them.
             w.pending = settle
             if w.state is WorkerState.BUSY:
-                w.state = WorkerState.CLEANING
+                w.advance(WorkerState.CLEANING)
             self.s.act(Clean(w.wid))
             return
         settle()
@@ -343,7 +343,7 @@ class Lifecycle:
         if p.worker_layers is None:
             p.worker_layers = dict(msg.containment)
             self.s.act(FirstHello(p.worker_layers, p.name))
-        w.state = WorkerState.READY
+        w.advance(WorkerState.READY)
         self.on_heartbeat(w)
         w.budget, w.budget_at = _BUDGET_BURST, self.s.now
         w.answered = True
@@ -414,7 +414,7 @@ class Lifecycle:
         was_serving = was_serving and w.answered and not w.start_failed
         retired = w.state is WorkerState.RETIRING
         unkillable = w.state is WorkerState.UNKILLABLE
-        w.gone = True
+        w.advance(WorkerState.EXITED)  # (gone)
         p = w.provider
         if w.killed_at is not None and not w.orphaned:
             p.tally.kill_to_reaped.observe(self.s.now - w.killed_at)
@@ -427,7 +427,6 @@ class Lifecycle:
         requeue = self.settlement.settle_calls_of_dead(w)
         for call in reversed(requeue):
             self.dispatch.requeue(call)  # in order, at the front
-        w.state = WorkerState.EXITED
         del self.s.workers[w.wid]
         self.s.act(Close(w.wid))
         if not unkillable:  # (an unkillable one was announced when it went out of service)
@@ -443,7 +442,7 @@ class Lifecycle:
             )
         else:
             self._log_gone(w, retired=retired, held=held)
-        if p.state in ("draining", "failed") and not any(
+        if p.state in (ProviderState.DRAINING, ProviderState.FAILED) and not any(
             x.provider is p for x in self.s.workers.values()
         ):
             self.fleet.gone(p)
@@ -468,7 +467,7 @@ class Lifecycle:
         was_serving = was_serving and w.answered and not w.start_failed
         if w in w.provider.ready:
             w.provider.ready.remove(w)
-        w.state = WorkerState.UNKILLABLE
+        w.advance(WorkerState.UNKILLABLE)
         w.unkillable_pids = tuple(self.s.probe.tree_pids(wid, w.pid))
         w.provider.tally.unkillable += 1
         call = w.call
@@ -573,7 +572,7 @@ class Lifecycle:
             if w in w.provider.ready:
                 w.provider.ready.remove(w)
             if w.state not in (WorkerState.RETIRING, WorkerState.UNKILLABLE):
-                w.state = WorkerState.QUARANTINED  # no call is sent to it any more
+                w.advance(WorkerState.QUARANTINED)  # no call is sent to it any more
             self.s.act(Orphaned(w.wid))
             self.ladder.start_kill_clock(w)  # (the shell SIGKILLs its tree now)
         self.s.act(Changed())

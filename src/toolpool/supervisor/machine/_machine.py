@@ -38,7 +38,9 @@ from ._records import (
     GroupRecord,
     ProviderRecord,
     ProviderSpec,
+    ProviderState,
     WorkerRecord,
+    require,
 )
 from ._settlement import Settlement
 from ._state import CoreConfig, Probe, State, Tally
@@ -63,6 +65,18 @@ class Machine:
         self.fleet = Fleet(s, self.settlement, self.dispatch, self.ladder)
         self.lifecycle = Lifecycle(s, self.settlement, self.dispatch, self.ladder, self.fleet)
         self.s = s
+        # What the shell and the simulation read between events: the state's own containers
+        # (never replaced: one lookup, no property, on the hot path).
+        self.config = s.config
+        self.workers = s.workers  # the workers not gone yet, by id
+        self.calls = s.calls  # the calls not settled yet, by id
+        self.providers = s.providers  # the active generation of each provider, by name
+        self.pending = s.pending  # the providers starting (an add, a reload's), by name
+        self.draining = s.draining  # removed or replaced providers still draining
+        self.catalog = s.catalog  # the active providers' tools
+        self.owner = s.owner  # tool name -> the active provider that has it
+        self.timers = s.timers  # (when, seq, kind, key), a heap
+        self.tallies = s.tallies  # what calls and workers came to, by provider name
         spec = config.default_spec()
         if spec is not None:
             s.pending["default"] = s.new_provider("default", spec)
@@ -127,10 +141,11 @@ class Machine:
 
     def submit(self, call: CallRecord, *, timeout: float | None, now: float) -> None:
         """A new call (checked and packed by the shell)."""
-        self.s.now = now
-        owner = call._owner = self.s.owner.get(call.tool)
-        (owner.tally if owner is not None else self.s.tallies[""]).submitted += 1
-        self.s.calls[call.id] = call
+        s = self.s
+        s.now = now
+        owner = call._owner = s.owner.get(call.tool)
+        (owner.tally if owner is not None else s.tallies[""]).submitted += 1
+        s.calls[call.id] = call
         group = call._group
         if group is not None:
             group._calls.add(call)
@@ -139,7 +154,7 @@ class Machine:
                 return
         if timeout is not None:
             call._deadline = now + timeout
-            self.s.arm(call._deadline, "deadline", call.id)
+            s.arm(call._deadline, "deadline", call.id)
         self.dispatch.enqueue(call)
 
     def cancel(self, call: CallRecord, cause: CancelCause, *, force: bool, now: float) -> None:
@@ -159,8 +174,9 @@ class Machine:
     def message(self, wid: int, msg: Any, now: float, *, peer_pid: int | None = None) -> None:
         """A decoded message from worker ``wid`` (``peer_pid``: who sent it, where the
         socket tells, for a worker that has not said hello)."""
-        self.s.now = now
-        w = self.s.workers.get(wid)
+        s = self.s
+        s.now = now
+        w = s.workers.get(wid)
         if w is None or w.gone or w.violation is not None:
             return  # a quarantined violator: nothing it says counts any more
         try:
@@ -293,15 +309,16 @@ class Machine:
 
     def flush(self, now: float) -> list[Action]:
         """Run what the events so far made due; return the actions to perform, in order."""
-        self.s.now = now
+        s = self.s
+        s.now = now
         for _ in range(1000):
-            if self.s.procs:
-                self.s.run_procs()
-            if not self.s.dispatch_due:
+            if s.procs:
+                s.run_procs()
+            if not s.dispatch_due:
                 break
-            self.s.dispatch_due = False
+            s.dispatch_due = False
             self.dispatch.run()
-        out, self.s.out = self.s.out, []
+        out, s.out = s.out, []
         return out
 
     # ------------------------------------------------------------------ introspection
@@ -321,6 +338,36 @@ class Machine:
     def hung_count(self) -> int:
         """Live workers that sent no heartbeat for HUNG_AFTER_BEATS intervals."""
         return sum(1 for w in self.s.workers.values() if w.hung and not w.gone)
+
+    # ------------------------------------------------------------------ invariants
+
+    def check(self) -> None:
+        """Check every invariant of the records: each record's own (its ``check``, written
+        beside its fields) and those between them. The simulation calls it after every
+        step; it raises :class:`BrokenInvariant` where one breaks (a bug of the machine)."""
+        s = self.s
+        for call in s.calls.values():
+            # Only unsettled calls are held (bounded memory).
+            require(call._state is not CallState.SETTLED, call)
+            call._check()
+        for w in s.workers.values():
+            # A gone worker is forgotten in the same event.
+            require(not w.gone, w)
+            w.check()
+            for call in w.calls:
+                require(s.calls.get(call.id) is call, (w, call))
+        for name, p in s.providers.items():
+            require(p.name == name and p.state is ProviderState.ACTIVE, p)
+            p.check()
+        for name, p in s.pending.items():
+            require(p.name == name and p.state is ProviderState.STARTING, p)
+            p.check()
+        for p in s.draining:
+            require(p.state is ProviderState.DRAINING, p)
+            p.check()
+        for tool, p in s.owner.items():
+            # A tool resolves to an active provider that has it, and is in the catalog.
+            require(s.providers.get(p.name) is p and tool in p.catalog and tool in s.catalog, tool)
 
     # ------------------------------------------------------------------ providers
 
@@ -356,54 +403,6 @@ class Machine:
         return self.lifecycle.all_gone_or_unkillable()
 
     # ------------------------------------------------------------------ what the shell reads
-
-    @property
-    def config(self) -> CoreConfig:
-        return self.s.config
-
-    @property
-    def workers(self) -> dict[int, WorkerRecord]:
-        """The workers not gone yet, by id."""
-        return self.s.workers
-
-    @property
-    def calls(self) -> dict[int, CallRecord]:
-        """The calls not settled yet, by id."""
-        return self.s.calls
-
-    @property
-    def providers(self) -> dict[str, ProviderRecord]:
-        """The current generation of each provider (starting or active), by name."""
-        return self.s.providers
-
-    @property
-    def pending(self) -> dict[str, ProviderRecord]:
-        """The providers starting (an add, or a reload's new generation), by name."""
-        return self.s.pending
-
-    @property
-    def draining(self) -> list[ProviderRecord]:
-        """Removed or replaced providers whose workers have not all gone yet."""
-        return self.s.draining
-
-    @property
-    def catalog(self) -> dict[str, dict[str, Any]]:
-        """The active providers' tools."""
-        return self.s.catalog
-
-    @property
-    def owner(self) -> dict[str, ProviderRecord]:
-        """Tool name -> the active provider that has it."""
-        return self.s.owner
-
-    @property
-    def timers(self) -> list[tuple[float, int, str, int]]:
-        return self.s.timers
-
-    @property
-    def tallies(self) -> dict[str, Tally]:
-        """What calls and workers came to, by provider name ("": calls no provider took)."""
-        return self.s.tallies
 
     def tally(self, provider: str | None = None) -> Tally:
         """The statistics of provider ``provider``'s calls and workers (None: the pool's)."""

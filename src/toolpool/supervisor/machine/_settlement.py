@@ -40,6 +40,7 @@ _log = logging.getLogger("toolpool.supervisor")
 _new_settled = tuple.__new__
 _NO_CONTEXT: Final[Mapping[str, Any]] = MappingProxyType({})  # read-only: one serves all
 _DISPOSED: Final = CancelCause("disposed")
+_SETTLED, _NO_RUNG = CallState.SETTLED, Rung.NONE  # (bound once: see _dispatch.py)
 RUNG_ORDER: Final = {Rung.NONE: 0, Rung.CANCEL: 1, Rung.SIGTERM: 2, Rung.SIGKILL: 3}
 
 
@@ -71,7 +72,8 @@ class Settlement:
         """Settle ``call`` with this result, once (later attempts change nothing)."""
         if call._result is not None:
             return
-        now = self.s.now
+        s = self.s
+        now = s.now
         call._times["settled"] = now
         w = call._worker
         exit_code = exit_signal = None
@@ -106,19 +108,19 @@ class Settlement:
         )
         if call._queued:
             self._forget_queued(call)
-        call._state = CallState.SETTLED
-        kind = outcome.value
+        call._advance(_SETTLED)
+        kind = outcome._value_  # (not .value: a property, on the hot path)
         owner = call._owner
-        tally = owner.tally if owner is not None else self.s.tallies[""]
+        tally = owner.tally if owner is not None else s.tallies[""]
         tally.settled[kind] += 1
         tally.by_tool[call.tool, kind] += 1
         latency = now - call._times["submitted"]  # (Buckets.observe, inline: the hot path)
         buckets = tally.settle_latency
         buckets.counts[bisect_left(buckets.bounds, latency)] += 1
         buckets.sum += latency
-        if call._rung is not Rung.NONE:
+        if call._rung is not _NO_RUNG:
             tally.escalations[call._rung.value] += 1
-        del self.s.calls[call.id]
+        del s.calls[call.id]
         if call._group is not None:
             call._group._calls.discard(call)
         if w is not None and call in w.calls:
@@ -129,7 +131,7 @@ class Settlement:
                 w.calls.remove(call)
             if w.acks_expected:  # an ack may still be on its way for this call, no older one
                 w.acks_expected &= {call.id, *(c.id for c in w.calls)}
-        self.s.out.append(_new_settled(Settled, (call,)))  # (tuple.__new__: the hot path)
+        s.out.append(_new_settled(Settled, (call,)))  # (tuple.__new__: the hot path)
 
     def _forget_queued(self, call: CallRecord) -> None:
         """A call settled while in its provider's queue: drop it there, at once where it is

@@ -261,8 +261,9 @@ class State:
     def arm(self, when: float, kind: str, key: int = 0) -> None:
         if kind == "deadline" and len(self.timers) > 2 * len(self.calls) + 1024:
             # Mostly calls settled long before their deadline: keep only the live ones.
-            self.timers = [t for t in self.timers if t[2] != "deadline" or t[3] in self.calls]
-            heapq.heapify(self.timers)
+            timers = self.timers  # (in place: the machine hands this list to the shell)
+            timers[:] = [t for t in timers if t[2] != "deadline" or t[3] in self.calls]
+            heapq.heapify(timers)
         heapq.heappush(self.timers, (when, next(self._seq), kind, key))
 
     def next_deadline(self) -> float | None:
