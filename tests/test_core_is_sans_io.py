@@ -67,3 +67,34 @@ def test_worker_and_supervisor_never_import_each_other_and_the_leaves_stay_leave
                         path.name,
                         imported,
                     )
+
+
+def test_no_import_circle_in_the_supervisor() -> None:
+    """The supervisor's modules (the shell, and the machine's parts) import each other in
+    layers: no module imports, through any chain, one that imports it (counting imports for
+    type checking only)."""
+    graph: dict[str, set[str]] = {}
+    for path in [*(SRC / "supervisor").glob("*.py"), *MACHINE.glob("*.py")]:
+        here = "machine." if path.parent == MACHINE else ""
+        name = here + path.stem
+        edges = graph.setdefault(name, set())
+        for imported in _imports(path):
+            if here and imported.startswith("..") and not imported.startswith("..."):
+                target = imported[2:]  # a shell module, from the machine
+            elif imported.startswith(".") and not imported.startswith(".."):
+                target = here + imported[1:]
+            else:
+                continue
+            if target and not target.endswith("__init__"):
+                edges.add(target.rstrip("."))
+    assert len(graph) > 15, graph
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in graph.get(start, ()):
+            if nxt == goal or (nxt not in seen and (seen.add(nxt) or reaches(nxt, goal, seen))):
+                return True
+        return False
+
+    for name, edges in graph.items():
+        for target in edges:
+            assert not reaches(target, name, set()), f"{name} -> {target} -> ... -> {name}"

@@ -17,7 +17,8 @@ import secrets
 import tempfile
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from types import MappingProxyType, TracebackType
 from typing import Any, Final, Literal, final
 
@@ -78,6 +79,8 @@ __all__ = (
     "Call",
     "Group",
     "Pool",
+    "Port",
+    "port_of",
 )
 
 _log = logging.getLogger("toolpool.supervisor")
@@ -274,6 +277,7 @@ class Pool(Channels, Hosting):
         self._groups: weakref.WeakSet[Group] = weakref.WeakSet()
         self._call_ids = 0
         self._pumping = False
+        self._port = Port(self)  # what its calls, groups and maps may ask of it
         self._task_scopes: set[anyio.CancelScope] = set()  # the pool's own tasks
         self._clock_at = math.inf  # when the clock task next wakes
         self._clock_wake: anyio.Event | None = None
@@ -496,13 +500,18 @@ class Pool(Channels, Hosting):
         mapping of arguments each, as :meth:`submit` takes), pulled lazily: an async
         iterator; see :class:`toolpool.MapIterator`. Bad arguments raise here, at once."""
         return MapIterator(
-            self, tool, args_iterable, timeout=timeout, ordered=ordered, max_in_flight=max_in_flight
+            self._port,
+            tool,
+            args_iterable,
+            timeout=timeout,
+            ordered=ordered,
+            max_in_flight=max_in_flight,
         )
 
     def group(self) -> Group:
         """A new group (turn) with a fresh cancel signal (CONTRACT C5)."""
         self._check_open()
-        group = Group(self)
+        group = Group(self._port)
         self._groups.add(group)
         return group
 
@@ -558,6 +567,17 @@ class Pool(Channels, Hosting):
         if provider is not None and provider not in self._core.tallies:
             raise LookupError(f"no provider named {provider!r}")
         return snapshot(self._core, self._files, time.monotonic(), provider)
+
+    def provider_statistics(self) -> Mapping[str, Statistics]:
+        """:meth:`statistics` of each provider the pool has or had (a removed one's counters
+        stay, never going back), by name; and, under ``""``, of the calls no provider took
+        (a tool gone by the time they were queued), when there are some. What
+        :mod:`toolpool.metrics` reads at a scrape."""
+        tallies, now = self._core.tallies, time.monotonic()
+        out = {name: snapshot(self._core, self._files, now, name) for name in tallies if name}
+        if tallies[""].submitted:
+            out[""] = snapshot(self._core, self._files, now, "")
+        return out
 
     def containment(self, provider: str = "default") -> ContainmentReport:
         """What protects a provider's workers (by default, the ``"default"`` provider's),
@@ -629,7 +649,7 @@ class Pool(Channels, Hosting):
             timeout = self._options[provider.name].timeout
         now = time.monotonic()
         self._call_ids += 1
-        call = Call(self, self._call_ids, tool, packed, group, now)
+        call = Call(self._port, self._call_ids, tool, packed, group, now)
         call._index = index
         self._core.submit(call, timeout=timeout, now=now)
         self._pump()
@@ -647,3 +667,65 @@ class Pool(Channels, Hosting):
 
     def __repr__(self) -> str:
         return f"<toolpool.Pool {self.tools_spec!r} workers={self.size} {self._state}>"
+
+
+@final
+class Port:
+    """The pool's side of :class:`~._calls.PoolPort`: what its calls, groups and maps may
+    ask of it (they hold this, never the pool's private attributes)."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+
+    @property
+    def catalog(self) -> Mapping[str, Mapping[str, Any]]:
+        return self._pool.catalog
+
+    @property
+    def size(self) -> int:
+        return self._pool.size
+
+    @property
+    def prefetch(self) -> int:
+        return self._pool.prefetch
+
+    def check_open(self) -> None:
+        self._pool._check_open()
+
+    def submit_call(
+        self,
+        tool: str,
+        args: Mapping[str, Any] | None,
+        *,
+        timeout: float | None,
+        group: Group | None,
+        index: int | None = None,
+    ) -> Call:
+        return self._pool._submit(tool, args, timeout=timeout, group=group, index=index)
+
+    def cancel_call(self, call: Call, cause: CancelCause, *, force: bool) -> None:
+        self._pool._cancel(call, cause, force=force)
+
+    def cancel_group(self, group: Group, cause: CancelCause) -> None:
+        self._pool._group_cancelled(group, cause)
+
+    def new_group(self) -> Group:
+        return self._pool.group()
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        pool = self._pool
+        pumping, pool._pumping = pool._pumping, True  # one pump for the whole batch
+        try:
+            yield
+        finally:
+            pool._pumping = pumping
+            if not pumping:
+                pool._pump()
+
+
+def port_of(pool: Pool) -> Port:
+    """``pool``'s port (for ``SyncPool.map``, whose map runs in the pool's loop)."""
+    return pool._port

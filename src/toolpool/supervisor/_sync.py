@@ -19,7 +19,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from ..core import PoolClosedError, validate_cause
 from ._calls import Call
 from ._map import MapIterator, SyncMapIterator, _Feed, drive_sync_map
-from ._pool import Pool
+from ._pool import Pool, port_of
 from ._results import Progress, Result, Statistics
 
 __all__ = ("SyncCall", "SyncPool")
@@ -230,7 +230,7 @@ class SyncPool:
         feed = _Feed()
         _, it = portal.start_task(
             drive_sync_map,
-            self._pool,
+            port_of(self._pool),
             self._maps,
             feed,
             tool,
