@@ -33,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from core_support import FakeProbe
-from toolpool.core import CancelCause, Outcome
+from toolpool.core import CancelCause, Graces, Outcome
 from toolpool.protocol import (
     PROTOCOL_VERSION,
     Ack,
@@ -165,12 +165,11 @@ class World:
             size=workers,
             warm_spares=spares,
             prefetch=prefetch,
-            cancel_grace=CANCEL_GRACE,
-            term_grace=TERM_GRACE,
+            graces=Graces(
+                cancel=CANCEL_GRACE, term=TERM_GRACE, drain=0.5, unkillable_after=UNKILLABLE_AFTER
+            ),
             start_timeout=START_TIMEOUT,
             max_start_failures=1000,
-            drain_grace=0.5,
-            unkillable_after=UNKILLABLE_AFTER,
             heartbeat=HEARTBEAT,
         )
         self.secrets = iter(range(1, 1 << 30))

@@ -16,13 +16,29 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._interrupts import EXIT_INTERRUPTED, Interrupts, say
-from .core import ToolpoolError, WorkerStartError
+from .core import DEFAULT_GRACES, Graces, ToolpoolError, WorkerStartError
 
 #: The reader of stdout went away: 128 + SIGPIPE, as a shell reports a tool that SIGPIPE ended.
 EXIT_BROKEN_PIPE = 141
 
 if TYPE_CHECKING:
     from .supervisor import Result
+
+
+def _add_grace_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cancel-grace",
+        type=float,
+        default=DEFAULT_GRACES.cancel,
+        help="seconds a cancelled call has to stop before SIGTERM "
+        f"(default: {DEFAULT_GRACES.cancel:g})",
+    )
+    parser.add_argument(
+        "--term-grace",
+        type=float,
+        default=DEFAULT_GRACES.term,
+        help=f"seconds after SIGTERM before SIGKILL (default: {DEFAULT_GRACES.term:g})",
+    )
 
 
 def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
@@ -90,18 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     call.add_argument(
         "--timeout", type=float, default=None, help="seconds before the call is cancelled"
     )
-    call.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    call.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
+    _add_grace_options(call)
     _add_profile_options(call, "default")
     _add_batch(sub)
     return parser
@@ -144,18 +149,7 @@ def _add_batch(sub: Any) -> None:
     )
     batch.add_argument("--no-progress", action="store_true", help="no progress bar")
     batch.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    batch.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    batch.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
+    _add_grace_options(batch)
     _add_profile_options(batch, "default")
 
 
@@ -188,7 +182,7 @@ async def _call(ns: argparse.Namespace) -> int:
         raise ValueError(f"args is not valid JSON: {exc}") from None
     if not isinstance(args, dict):
         raise ValueError("args must be a JSON object")
-    stop = Interrupts(ns.cancel_grace, ns.term_grace)
+    stop = Interrupts(Graces(cancel=ns.cancel_grace, term=ns.term_grace))
 
     async def job() -> int:
         async with Pool(
@@ -253,9 +247,9 @@ async def _run_batch(options: Any, no_progress: bool, as_json: bool) -> int:
 
 
 def _demo() -> int:
-    from ._demo import CANCEL_GRACE, TERM_GRACE, run_demo
+    from ._demo import GRACES, run_demo
 
-    stop = Interrupts(CANCEL_GRACE, TERM_GRACE)
+    stop = Interrupts(GRACES)
     return anyio.run(stop.run, lambda: run_demo(sys.stdout, interrupts=stop))
 
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from .core import Graces
+
 if TYPE_CHECKING:
     from .supervisor import Call, Result
 
@@ -33,9 +35,8 @@ def say(line: str) -> None:
 class Interrupts:
     """Ctrl-C handling for one command run (see the module docstring)."""
 
-    def __init__(self, cancel_grace: float, term_grace: float) -> None:
-        self.cancel_grace = cancel_grace
-        self.term_grace = term_grace
+    def __init__(self, graces: Graces) -> None:
+        self.graces = graces
         self.count = 0
         """How many times Ctrl-C was pressed."""
         self._calls: list[Call] = []
@@ -97,9 +98,8 @@ class Interrupts:
         self.count += 1
         if self.count == 1:
             say(
-                "interrupted: stopping the pool. Its calls are cancelled; one that does not "
-                f"stop within {self.cancel_grace:g}s gets SIGTERM, then SIGKILL "
-                f"{self.term_grace:g}s later. Ctrl-C again to kill them now."
+                f"interrupted: stopping the pool. Its calls are cancelled; {self.graces.ladder()}. "
+                "Ctrl-C again to kill them now."
             )
             if self._scope is not None:
                 self._scope.cancel()

@@ -21,7 +21,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from .._interrupts import EXIT_INTERRUPTED
-from ..core import Outcome, ToolpoolError, UnknownToolError
+from ..core import DEFAULT_GRACES, Graces, Outcome, ToolpoolError, UnknownToolError
 from ..sandbox import Profile
 from ..supervisor import Call, Group, Pool
 from ._input import SKIPPED, Job, Rejection, count_lines, read_jobs
@@ -67,8 +67,8 @@ class BatchOptions:
     """Extra runs for a call that ends ``worker_lost`` or ``killed``: always when its body
     never started, with ``idempotent`` also when it did (or may have)."""
     idempotent: bool = False
-    cancel_grace: float = 5.0
-    term_grace: float = 2.0
+    cancel_grace: float = DEFAULT_GRACES.cancel
+    term_grace: float = DEFAULT_GRACES.term
 
 
 @dataclass
@@ -457,8 +457,8 @@ class Batch:
             if self._interrupts == 1:
                 o = self.options
                 self._say(
-                    f"{what}: stopping. Every call is cancelled; one that does not stop within "
-                    f"{o.cancel_grace:g}s gets SIGTERM, then SIGKILL {o.term_grace:g}s later. "
+                    f"{what}: stopping. Every call is cancelled; "
+                    f"{Graces(cancel=o.cancel_grace, term=o.term_grace).ladder()}. "
                     "What settles is recorded. Ctrl-C again to kill them now."
                 )
                 self._stop()

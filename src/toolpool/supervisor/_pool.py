@@ -27,7 +27,9 @@ import anyio.abc
 import zmq
 
 from ..core import (
+    DEFAULT_GRACES,
     CancelCause,
+    Graces,
     PoolClosedError,
     UnknownToolError,
     WorkerStartError,
@@ -110,8 +112,8 @@ class Pool(Channels, Hosting):
         tools: str | None = None,
         *,
         workers: int = 4,
-        cancel_grace: float = 5.0,
-        term_grace: float = 2.0,
+        cancel_grace: float = DEFAULT_GRACES.cancel,
+        term_grace: float = DEFAULT_GRACES.term,
         start_timeout: float = 30.0,
         max_frame: int = DEFAULT_MAX_FRAME,
         max_start_failures: int = 3,
@@ -123,8 +125,8 @@ class Pool(Channels, Hosting):
         warm_spares: int = 0,
         start_method: StartMethod = "fork",
         prefetch: int | None = None,
-        drain_grace: float = 30.0,
-        unkillable_after: float = 10.0,
+        drain_grace: float = DEFAULT_GRACES.drain,
+        unkillable_after: float = DEFAULT_GRACES.unkillable_after,
         heartbeat: float | None = 1.0,
     ) -> None:
         """
@@ -221,13 +223,20 @@ class Pool(Channels, Hosting):
         assert isinstance(profile, Profile)
         self.tools_spec = tools or ""
         self.size = workers if options is not None else 0
-        self.cancel_grace = float(cancel_grace)
-        self.term_grace = float(term_grace)
-        self.start_timeout = float(start_timeout)
-        self.drain_grace = float(drain_grace)
         if unkillable_after <= 0:
             raise ValueError("unkillable_after must be a positive number of seconds")
-        self.unkillable_after = float(unkillable_after)
+        #: The graces of its calls' escalation, its drains, and its unkillable workers.
+        self.graces = Graces(
+            cancel=cancel_grace,
+            term=term_grace,
+            drain=drain_grace,
+            unkillable_after=unkillable_after,
+        )
+        self.cancel_grace = self.graces.cancel
+        self.term_grace = self.graces.term
+        self.drain_grace = self.graces.drain
+        self.unkillable_after = self.graces.unkillable_after
+        self.start_timeout = float(start_timeout)
         self.max_frame = max_frame
         self.max_start_failures = max_start_failures
         self.worker_output: WorkerOutput = worker_output
@@ -249,15 +258,12 @@ class Pool(Channels, Hosting):
                 size=spec.size if spec else 0,
                 warm_spares=spec.warm_spares if spec else 0,
                 prefetch=spec.prefetch if spec else 0,
-                cancel_grace=self.cancel_grace,
-                term_grace=self.term_grace,
+                graces=self.graces,
                 start_timeout=self.start_timeout,
                 max_frame=max_frame,
                 max_start_failures=max_start_failures,
                 allow_background=self.allow_background,
                 memory_cap=profile.memory,
-                drain_grace=self.drain_grace,
-                unkillable_after=self.unkillable_after,
                 heartbeat=self.heartbeat,
             ),
             self._files,  # the probe: the ledger and cgroup files it holds open

@@ -338,7 +338,7 @@ class Fleet:
                 busy = True
                 self.dispatch.recall_behind(w, w.calls[0])
         if busy:
-            grace = self.s.config.drain_grace
+            grace = self.s.config.graces.drain
             if grace > 0:
                 p.drain_by = self.s.now + grace
                 self.s.arm(p.drain_by, "drain", p.id)

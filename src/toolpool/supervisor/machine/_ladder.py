@@ -80,7 +80,7 @@ class Ladder:
         (and the pool's close) for ever. Once it is w's first call, nothing else runs there.
         """
         config = self.s.config
-        deadline = self.s.now + config.cancel_grace
+        deadline = self.s.now + config.graces.cancel
         unanswered = False
         while call._result is None and not w.gone and not self._at_or_past(w, call):
             if self.s.now >= deadline and all(c._cause is not None for c in w.calls):
@@ -95,7 +95,7 @@ class Ladder:
             yield from self._kill_when_clear(w, call)
             return
         if not unanswered:
-            yield Wait(self.s.now + config.cancel_grace, lambda: call._result is not None)
+            yield Wait(self.s.now + config.graces.cancel, lambda: call._result is not None)
         if call._result is None and call._rung is not Rung.SIGKILL:
             yield from self._clear_behind(w, call)
         yield from self._await_sent_result(w, call)
@@ -105,7 +105,7 @@ class Ladder:
             return
         if call._result is None and call._rung is not Rung.SIGKILL:
             self._terminate(w, call)
-        yield Wait(self.s.now + config.term_grace, lambda: w.gone)
+        yield Wait(self.s.now + config.graces.term, lambda: w.gone)
         if not w.gone:
             self._kill(w, call)
 
@@ -127,7 +127,7 @@ class Ladder:
             return
         self.dispatch.recall_behind(w, call)
         yield Wait(
-            self.s.now + self.s.config.term_grace,
+            self.s.now + self.s.config.graces.term,
             lambda: call._result is not None or w.gone or not self._exposed(w, call),
             _LOOK_CLEARED,
         )
@@ -137,7 +137,7 @@ class Ladder:
         before escalating against w, which may run an uncancelled call since. Bounded: the
         ledger is the worker's to scribble on."""
         if call._result is None and not w.gone and self._progress(w, call) == 1:
-            yield Wait(self.s.now + self.s.config.term_grace, lambda: call._result is not None)
+            yield Wait(self.s.now + self.s.config.graces.term, lambda: call._result is not None)
             if call._result is None and not w.gone and self._progress(w, call) == 1:
                 # Its word, and no result to show for it: a worker that lies in its ledger,
                 # or withholds results. It is out of service for breaking the protocol (C7),
@@ -145,7 +145,7 @@ class Ladder:
                 self.quarantine(
                     w,
                     f"protocol violation: its ledger says call {call.id} is done, but no "
-                    f"result came within term_grace ({self.s.config.term_grace:g} s)",
+                    f"result came within term_grace ({self.s.config.graces.term:g} s)",
                 )
 
     def _at_or_past(self, w: WorkerRecord, call: CallRecord) -> bool:
@@ -278,4 +278,4 @@ class Ladder:
         (``_kill_overdue``)."""
         if w.killed_at is None:
             w.killed_at = self.s.now
-            self.s.arm(self.s.now + self.s.config.unkillable_after, "unkillable", w.wid)
+            self.s.arm(self.s.now + self.s.config.graces.unkillable_after, "unkillable", w.wid)

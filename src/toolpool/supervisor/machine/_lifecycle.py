@@ -477,7 +477,7 @@ class Lifecycle:
             "its processes die",
             w.wid,
             w.pid,
-            self.s.config.unkillable_after,
+            self.s.config.graces.unkillable_after,
             ", ".join(map(str, w.unkillable_pids)) or "unknown",
             f"Its call {call.id} ({call.tool}) stays unsettled until then"
             if call is not None

@@ -28,7 +28,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from ...core import WorkerStartError
+from ...core import DEFAULT_GRACES, Graces, WorkerStartError
 from .._results import Histogram
 from ._actions import Action
 from ._records import CallRecord, ProviderRecord, ProviderSpec, WorkerRecord
@@ -134,16 +134,13 @@ class CoreConfig:
     size: int = 0
     warm_spares: int = 0
     prefetch: int = 0
-    cancel_grace: float = 5.0
-    term_grace: float = 2.0
+    graces: Graces = DEFAULT_GRACES  # the ladder's, a drain's, and when a tree is unkillable
     start_timeout: float = 30.0
     max_frame: int = 1 << 20
     max_start_failures: int = 3
     allow_background: bool = False
     memory_cap: int | None = None  # the profile's, for the OOM text
     has_reaper_cleanup: bool = True  # the reaper kills leftovers (False: nobody can)
-    drain_grace: float = 30.0  # a removed provider's running calls' time to finish
-    unkillable_after: float = 10.0  # seconds after SIGKILL: a tree still there is unkillable
 
     def default_spec(self) -> ProviderSpec | None:
         if not self.tools_spec:
