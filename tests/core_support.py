@@ -11,6 +11,7 @@ from toolpool.supervisor.machine import (
     CoreConfig,
     Machine,
     ProviderRecord,
+    ProviderSpec,
     ProviderState,
     Send,
     WorkerRecord,
@@ -54,12 +55,12 @@ def core_with_workers(
 ) -> tuple[Machine, list[WorkerRecord], FakeProbe]:
     """A running core with ``n`` workers that said hello (READY, in the ready list if
     ``ready``), serving the tool ``noop`` (its body in a thread: calls may queue behind it)."""
-    options: dict[str, Any] = {"tools_spec": "fake:registry", "size": n, "prefetch": 16}
-    options.update(config)
     probe = FakeProbe()
-    core = Machine(CoreConfig(**options), probe, lambda: b"secret")
+    core = Machine(CoreConfig(**config), probe, lambda: b"secret")
+    core.add_provider("default", ProviderSpec(tools_spec="fake:registry", size=n, prefetch=16), 0.0)
     core.starting = False
     p = serve(core, ["noop"], threaded=["noop"])
+    core.start(0.0)  # (its provider is active already: this starts no worker)
     workers = []
     for wid in range(1, n + 1):
         w = WorkerRecord(wid, b"secret", p)

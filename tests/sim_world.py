@@ -161,10 +161,6 @@ class World:
         self.now = 1000.0
         self.probe = FakeProbe()
         config = CoreConfig(
-            tools_spec="sim:registry",
-            size=workers,
-            warm_spares=spares,
-            prefetch=prefetch,
             graces=Graces(
                 cancel=CANCEL_GRACE, term=TERM_GRACE, drain=0.5, unkillable_after=UNKILLABLE_AFTER
             ),
@@ -174,6 +170,12 @@ class World:
         )
         self.secrets = iter(range(1, 1 << 30))
         self.core = Machine(config, self.probe, lambda: b"s%032d" % next(self.secrets))
+        self.prefetch = prefetch
+        # Pool("sim:registry", ...): the provider "default", added before the pool starts.
+        default = ProviderSpec(
+            tools_spec="sim:registry", size=workers, warm_spares=spares, prefetch=prefetch
+        )
+        self.core.add_provider("default", default, self.now)
         self.workers: dict[int, FakeWorker] = {}
         self.reports: collections.deque[tuple[Any, ...]] = collections.deque()
         self.reaper_up = True
@@ -458,7 +460,7 @@ class World:
                 tools_spec=f"sim:{name}",
                 size=1 + size % 3,
                 warm_spares=0,
-                prefetch=core.config.prefetch,
+                prefetch=self.prefetch,
             )
             core.add_provider(name, spec, self.now)
         elif op == 1 and known:

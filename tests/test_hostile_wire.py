@@ -559,9 +559,10 @@ def test_a_worker_that_says_a_tool_runs_elsewhere_than_the_others_say_is_refused
     from core_support import FakeProbe, serve
     from toolpool.protocol import PROTOCOL_VERSION, Hello
     from toolpool.supervisor._results import WorkerState
-    from toolpool.supervisor.machine import CoreConfig, Machine, WorkerRecord
+    from toolpool.supervisor.machine import CoreConfig, Machine, ProviderSpec, WorkerRecord
 
-    core = Machine(CoreConfig(tools_spec="x:y", size=2), FakeProbe(), lambda: b"s" * 32)
+    core = Machine(CoreConfig(), FakeProbe(), lambda: b"s" * 32)
+    core.add_provider("default", ProviderSpec(tools_spec="x:y", size=2), 0.0)
     core.starting = False
     provider = serve(core, [])  # (after its start: a start failure does not fail it at once)
     first, second = (WorkerRecord(wid, b"s" * 32, provider) for wid in (1, 2))

@@ -48,7 +48,14 @@ from .machine import (
     ProviderResized as ResizedAction,
 )
 
-__all__ = ("DEFAULT_PREFETCH", "Hosting", "ProviderOptions", "provider_options")
+__all__ = (
+    "DEFAULT_PREFETCH",
+    "Hosting",
+    "ProviderOptions",
+    "check_pool_options",
+    "checked_profile",
+    "provider_options",
+)
 
 #: Calls a busy worker may hold queued (``Pool(prefetch=None)``), but see there. 16 (with 16
 #: results held back and 32 ledger slots of 32 KiB) took no-op throughput from 19.5k to 23k
@@ -102,6 +109,41 @@ def check_seconds(name: str, value: object, *, positive: bool = False) -> None:
         raise ValueError(f"{name} must be {what} number of seconds, got {value!r}")
 
 
+def check_pool_options(
+    *,
+    max_start_failures: object,
+    seconds: Mapping[str, object],
+    heartbeat: object,
+    worker_output: object,
+    max_frame: object,
+    start_method: object,
+) -> None:
+    """Check the options that are the pool's own (not a provider's); raise a clear error for
+    each bad one."""
+    check_count("max_start_failures", max_start_failures, minimum=1)
+    for name, value in {**seconds, "heartbeat": 1.0 if heartbeat is None else heartbeat}.items():
+        check_seconds(name, value)
+    if worker_output not in ("discard", "inherit"):
+        raise ValueError("worker_output must be 'discard' or 'inherit'")
+    if isinstance(max_frame, bool) or not isinstance(max_frame, int) or max_frame < 1024:
+        raise ValueError("max_frame must be an integer of at least 1024 bytes")
+    if start_method not in ("fork", "spawn"):
+        raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
+    if not seconds.get("unkillable_after", 1.0) > 0:  # type: ignore[operator]
+        raise ValueError("unkillable_after must be a positive number of seconds")
+    if heartbeat is not None and not heartbeat > 0:  # type: ignore[operator]
+        raise ValueError("heartbeat must be a positive number of seconds, or None")
+
+
+def checked_profile(profile: object) -> Profile:
+    """A profile, or its name (``"default"``, ``"untrusted"``), as a :class:`Profile`."""
+    if isinstance(profile, str):
+        profile = Profile.named(profile)
+    if not isinstance(profile, Profile):
+        raise TypeError(f"profile must be a toolpool.Profile or a name, not {profile!r}")
+    return profile
+
+
 def provider_options(
     name: str,
     tools: object,
@@ -123,10 +165,7 @@ def provider_options(
         raise ConfigurationError(f"tools must be 'module:attribute', got {tools!r}")
     check_count("workers", workers, minimum=1)
     check_count("warm_spares", warm_spares, minimum=0)
-    if isinstance(profile, str):
-        profile = Profile.named(profile)
-    if not isinstance(profile, Profile):
-        raise TypeError(f"profile must be a toolpool.Profile or a name, not {profile!r}")
+    profile = checked_profile(profile)
     if prefetch is None:
         prefetch = 0 if profile.user is not None else DEFAULT_PREFETCH
     check_count("prefetch", prefetch, minimum=0)

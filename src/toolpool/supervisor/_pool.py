@@ -49,8 +49,8 @@ from ._hosting import (
     DEFAULT_PREFETCH,
     Hosting,
     ProviderOptions,
-    check_count,
-    check_seconds,
+    check_pool_options,
+    checked_profile,
     prepare_layers,
     provider_options,
 )
@@ -179,28 +179,23 @@ class Pool(Channels, Hosting):
             ignores its signal (``Statistics.hung``, a log line; see ``docs/pool.md``,
             "Liveness"). None: no heartbeats.
         """
-        check_count("max_start_failures", max_start_failures, minimum=1)
-        for name, value in (
-            ("cancel_grace", cancel_grace),
-            ("term_grace", term_grace),
-            ("start_timeout", start_timeout),
-            ("drain_grace", drain_grace),
-            ("unkillable_after", unkillable_after),
-            ("heartbeat", 1.0 if heartbeat is None else heartbeat),
-        ):
-            check_seconds(name, value)
-        if worker_output not in ("discard", "inherit"):
-            raise ValueError("worker_output must be 'discard' or 'inherit'")
-        if isinstance(max_frame, bool) or not isinstance(max_frame, int) or max_frame < 1024:
-            raise ValueError("max_frame must be an integer of at least 1024 bytes")
-        if start_method not in ("fork", "spawn"):
-            raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
-        if tools is None and isinstance(profile, str):
-            profile = Profile.named(profile)
-        options = (
-            None
-            if tools is None
-            else provider_options(
+        check_pool_options(
+            max_start_failures=max_start_failures,
+            seconds={
+                "cancel_grace": cancel_grace,
+                "term_grace": term_grace,
+                "start_timeout": start_timeout,
+                "drain_grace": drain_grace,
+                "unkillable_after": unkillable_after,
+            },
+            heartbeat=heartbeat,
+            worker_output=worker_output,
+            max_frame=max_frame,
+            start_method=start_method,
+        )
+        options = None
+        if tools is not None:  # the provider "default", with the options that are its own
+            options = provider_options(
                 "default",
                 tools,
                 workers=workers,
@@ -213,18 +208,9 @@ class Pool(Channels, Hosting):
                 timeout=None,
                 max_frame=max_frame,
             )
-        )
-        if options is None and not isinstance(profile, Profile):
-            raise TypeError(f"profile must be a toolpool.Profile or a name, not {profile!r}")
-        self._options: dict[str, ProviderOptions] = {}
-        if options is not None:
-            self._options["default"] = options
-            profile = options.profile
-        assert isinstance(profile, Profile)
+        self.profile = options.profile if options is not None else checked_profile(profile)
         self.tools_spec = tools or ""
         self.size = workers if options is not None else 0
-        if unkillable_after <= 0:
-            raise ValueError("unkillable_after must be a positive number of seconds")
         #: The graces of its calls' escalation, its drains, and its unkillable workers.
         self.graces = Graces(
             cancel=cancel_grace,
@@ -232,43 +218,37 @@ class Pool(Channels, Hosting):
             drain=drain_grace,
             unkillable_after=unkillable_after,
         )
-        self.cancel_grace = self.graces.cancel
-        self.term_grace = self.graces.term
-        self.drain_grace = self.graces.drain
-        self.unkillable_after = self.graces.unkillable_after
+        self.cancel_grace, self.term_grace = self.graces.cancel, self.graces.term
+        self.drain_grace, self.unkillable_after = self.graces.drain, self.graces.unkillable_after
         self.start_timeout = float(start_timeout)
         self.max_frame = max_frame
         self.max_start_failures = max_start_failures
         self.worker_output: WorkerOutput = worker_output
         self._env = dict(env) if env is not None else None
-        self.profile = profile
         self.allow_background = bool(allow_background)
-        if heartbeat is not None and not heartbeat > 0:
-            raise ValueError("heartbeat must be a positive number of seconds, or None")
         self.heartbeat = None if heartbeat is None else float(heartbeat)
         self.warm_spares = options.warm_spares if options is not None else 0
         self.start_method: StartMethod = start_method
         self.prefetch = options.prefetch if options is not None else DEFAULT_PREFETCH
         self.capture_output = options.capture_output if options is not None else None
         self._files = WorkerFiles()
-        spec = options.spec() if options is not None else None
-        self._core = Machine(
-            CoreConfig(
-                tools_spec=spec.tools_spec if spec else "",
-                size=spec.size if spec else 0,
-                warm_spares=spec.warm_spares if spec else 0,
-                prefetch=spec.prefetch if spec else 0,
-                graces=self.graces,
-                start_timeout=self.start_timeout,
-                max_frame=max_frame,
-                max_start_failures=max_start_failures,
-                allow_background=self.allow_background,
-                memory_cap=profile.memory,
-                heartbeat=self.heartbeat,
-            ),
-            self._files,  # the probe: the ledger and cgroup files it holds open
-            lambda: secrets.token_hex(32).encode(),
+        config = CoreConfig(
+            graces=self.graces,
+            start_timeout=self.start_timeout,
+            max_frame=max_frame,
+            max_start_failures=max_start_failures,
+            heartbeat=self.heartbeat,
         )
+        # The probe: the ledger and cgroup files it holds open.
+        self._core = Machine(config, self._files, lambda: secrets.token_hex(32).encode())
+        self._options: dict[str, ProviderOptions] = {}
+        if options is not None:  # entering the machine as any provider does (started by start)
+            self._options["default"] = options
+            self._core.add_provider("default", options.spec(), time.monotonic())
+        self._init_shell()
+
+    def _init_shell(self) -> None:
+        """The shell's own state: listeners, the reaper, sockets, calls, tasks."""
         self._listeners = Listeners()
         self._rollbacks: dict[int, tuple[BaseException, list[Any]]] = {}
         self._infos: dict[int, Any] = {}

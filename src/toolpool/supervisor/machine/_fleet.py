@@ -78,8 +78,8 @@ class Fleet:
         """Start workers until p has its size plus its warm spares; the ones started."""
         if self.s.closing or self.s.broken is not None or p.broken is not None or not p.live:
             return []
-        if not self.s.reaper_up:
-            return []  # the new reaper starts a full complement
+        if not self.s.reaper_up or not self.s.started:
+            return []  # the new reaper (or the pool's start) starts a full complement
         missing = p.spec.size + p.spec.warm_spares - self.serving_count(p)
         return [self.spawn(p) for _ in range(missing)]
 

@@ -257,7 +257,7 @@ class Lifecycle:
         if not msg.extras.get("kept", False) and len(w.calls) > 1:
             # Not in its ledger: it takes up nothing more until it knows this arrived.
             self.dispatch.send(w, encode(Ack(w.results)))
-        background = self.s.config.allow_background
+        background = w.provider.spec.allow_background
         leftovers = msg.leftovers
         # With a leftover it reported, the worker takes up nothing more until 'resume'.
         w.holding = leftovers > 0 and not background

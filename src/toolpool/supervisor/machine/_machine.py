@@ -77,16 +77,15 @@ class Machine:
         self.owner = s.owner  # tool name -> the active provider that has it
         self.timers = s.timers  # (when, seq, kind, key), a heap
         self.tallies = s.tallies  # what calls and workers came to, by provider name
-        spec = config.default_spec()
-        if spec is not None:
-            s.pending["default"] = s.new_provider("default", spec)
 
     # ------------------------------------------------------------------ the pool
 
     def start(self, now: float) -> None:
-        """Start the workers of the providers there are (the default one: its size, plus
-        warm spares)."""
+        """The pool starts: start the workers of the providers added so far (the default
+        one, ``Pool(tools, ...)``: its size, plus warm spares); a provider added from now on
+        starts its workers at once."""
         self.s.now = now
+        self.s.started = True
         for p in list(self.s.pending.values()):
             self.fleet.top_up(p)
 
@@ -372,8 +371,10 @@ class Machine:
     # ------------------------------------------------------------------ providers
 
     def add_provider(self, name: str, spec: ProviderSpec, now: float) -> ProviderRecord:
-        """Start a new provider's workers; it becomes active once they are all ready (or
-        ``failed``: its ``broken`` says why). The shell checks ``name`` is free."""
+        """Start a new provider's workers (once the pool started: :meth:`start`); it becomes
+        active once they are all ready (or ``failed``: its ``broken`` says why). The shell
+        checks ``name`` is free. ``Pool(tools, ...)`` adds the provider ``"default"`` so,
+        before its start."""
         self.s.now = now
         return self.fleet.add(name, spec)
 

@@ -126,34 +126,14 @@ class Tally:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoreConfig:
-    """The pool's options that its decisions depend on. ``tools_spec`` and the fields up to
-    ``memory_cap`` are the ``"default"`` provider's (none when ``tools_spec`` is empty);
-    more providers come with :meth:`Machine.add_provider`."""
+    """The pool's options that its decisions depend on. A provider's own (the
+    ``"default"`` one's too) come with it: :meth:`Machine.add_provider`."""
 
-    tools_spec: str = ""
-    size: int = 0
-    warm_spares: int = 0
-    prefetch: int = 0
     graces: Graces = DEFAULT_GRACES  # the ladder's, a drain's, and when a tree is unkillable
     start_timeout: float = 30.0
     max_frame: int = 1 << 20
     max_start_failures: int = 3
-    allow_background: bool = False
-    memory_cap: int | None = None  # the profile's, for the OOM text
     has_reaper_cleanup: bool = True  # the reaper kills leftovers (False: nobody can)
-
-    def default_spec(self) -> ProviderSpec | None:
-        if not self.tools_spec:
-            return None
-        return ProviderSpec(
-            tools_spec=self.tools_spec,
-            size=self.size,
-            warm_spares=self.warm_spares,
-            prefetch=self.prefetch,
-            allow_background=self.allow_background,
-            memory_cap=self.memory_cap,
-        )
-
     heartbeat: float | None = None  # seconds between a worker's heartbeats (None: none sent)
 
 
@@ -205,6 +185,7 @@ class State:
         self.new_secret = new_secret
         self.now = 0.0  # the time of the event being handled (the machine reads no clock)
         self.closing = False  # no call is dispatched any more; the queue settles as disposed
+        self.started = False  # the pool's start() came: providers' workers may start
         self.starting = True  # the pool's start-up (its default provider's)
         # The pool cannot serve at all (its reaper went away and no new one started; its
         # default provider failed to start).
