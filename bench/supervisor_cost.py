@@ -26,14 +26,17 @@ import anyio
 
 import toolpool
 from pool_support import FakeWorkerSocket
-from toolpool.protocol import Result, decode_from_supervisor, encode
+from toolpool.protocol import decode_from_supervisor, encode
 from toolpool.supervisor._results import WorkerState
 from toolpool.supervisor._workerio import WorkerIO
 
 try:  # the machine's parts (issue 25)
+    from toolpool.protocol import ResultMessage as Result
     from toolpool.supervisor.machine import ProviderState, WorkerRecord
 except ImportError:
     from toolpool.supervisor._records import WorkerRecord  # type: ignore[no-redef]
+
+    from toolpool.protocol import Result  # type: ignore[attr-defined,no-redef]
 
 
 class InstantWorker(FakeWorkerSocket):

@@ -37,23 +37,23 @@ from toolpool.core import CancelCause, Graces, Outcome
 from toolpool.protocol import (
     PROTOCOL_VERSION,
     Ack,
-    Call,
+    CallMessage,
     Cancel,
     CancelAck,
     Heartbeat,
     Hello,
     Pong,
-    Progress,
+    ProgressMessage,
     Recall,
+    ResultMessage,
     Resume,
     Shutdown,
-    Started,
+    StartedMessage,
     Withdrawn,
     decode_from_supervisor,
     encode,
     pack_value,
 )
-from toolpool.protocol import Result as ResultMessage
 from toolpool.supervisor._results import WorkerState
 from toolpool.supervisor.machine import (
     REAPER_START_ATTEMPTS,
@@ -130,7 +130,7 @@ class FakeWorker:
     lingers: bool = False  # its tree outlives its pid until a 'tree' step
     inbox: collections.deque[Any] = field(default_factory=collections.deque)
     outbox: collections.deque[Any] = field(default_factory=collections.deque)
-    queue: list[Call] = field(default_factory=list)
+    queue: list[CallMessage] = field(default_factory=list)
     current: Body | None = None
     taken_mark: int = 0
     invoked_mark: int = 0
@@ -259,7 +259,7 @@ class World:
                 return
             for frame in action.frames:
                 msg = decode_from_supervisor(frame)
-                if isinstance(msg, Call):
+                if isinstance(msg, CallMessage):
                     call = self.calls[msg.call_id - 1]
                     p = core.workers[action.wid].provider
                     if call.tool not in p.catalog or p.state != "active":
@@ -405,7 +405,9 @@ class World:
                     w.outbox.append(ResultMessage(10**9, "ok", None, None, None, True, {}, 0, {}))
                 else:  # progress for a call it does not run (settled, perhaps): ignored
                     settled = [c.id for c in self.calls if c._result is not None] or [10**9]
-                    w.outbox.append(Progress(settled[step[1] % len(settled)], 1.0, None, None))
+                    w.outbox.append(
+                        ProgressMessage(settled[step[1] % len(settled)], 1.0, None, None)
+                    )
         elif kind == "hang" and live:
             # Its body enters a C call that holds the GIL (or it leaves one): no thread of
             # the worker runs. Again: the call returns, the worker goes on.
@@ -547,7 +549,7 @@ class World:
             return
         if w.inbox:
             msg = w.inbox.popleft()
-            if isinstance(msg, Call):
+            if isinstance(msg, CallMessage):
                 w.acked = max(w.acked, msg.acked)
                 w.queue.append(msg)
             elif isinstance(msg, Ack):
@@ -591,12 +593,12 @@ class World:
                 self.rng.random() < 0.7
             ):
                 body.said_started = True
-                w.outbox.append(Started(body.call_id))
+                w.outbox.append(StartedMessage(body.call_id))
             return
         body.steps += 1
         tool = body.tool.removeprefix("x_")  # (extra's tools behave as their namesakes)
         if body.said_started and self.rng.random() < 0.3:  # (only once said started)
-            w.outbox.append(Progress(body.call_id, float(body.steps), None, None))
+            w.outbox.append(ProgressMessage(body.call_id, float(body.steps), None, None))
         if tool == "crash":
             self.die(w, 1)
         elif tool == "quick" or (tool == "slow" and body.steps >= 3):

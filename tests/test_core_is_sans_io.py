@@ -98,3 +98,17 @@ def test_no_import_circle_in_the_supervisor() -> None:
     for name, edges in graph.items():
         for target in edges:
             assert not reaches(target, name, set()), f"{name} -> {target} -> ... -> {name}"
+
+
+def test_no_two_classes_of_the_processes_share_a_name() -> None:
+    """A class name says which one it is: the wire's messages (``protocol/``), the
+    supervisor's public objects and the machine's actions never share one (``Result`` was
+    both the wire's message and the caller's result)."""
+    where: dict[str, list[str]] = {}
+    for part in ("protocol", "supervisor", "reaper", "worker", "core"):
+        for path in sorted((SRC / part).rglob("*.py")):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    where.setdefault(node.name, []).append(str(path.relative_to(SRC)))
+    assert len(where) > 50, where
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}

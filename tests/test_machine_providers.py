@@ -8,8 +8,7 @@ import pytest
 
 from core_support import FakeProbe
 from toolpool.core import Outcome
-from toolpool.protocol import PROTOCOL_VERSION, Hello, pack_value
-from toolpool.protocol import Result as ResultMessage
+from toolpool.protocol import PROTOCOL_VERSION, Hello, ResultMessage, pack_value
 from toolpool.supervisor.machine import (
     CallRecord,
     Clean,

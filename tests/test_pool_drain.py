@@ -20,7 +20,10 @@ import toolpool
 from core_support import serve
 from pool_support import FakeWorkerSocket
 from toolpool import Outcome
-from toolpool.protocol import Call, Result, Started, decode_from_supervisor, encode, pack_value
+from toolpool.protocol import CallMessage as Call
+from toolpool.protocol import ResultMessage as Result
+from toolpool.protocol import StartedMessage as Started
+from toolpool.protocol import decode_from_supervisor, encode, pack_value
 from toolpool.supervisor._results import WorkerState
 from toolpool.supervisor._workerio import WorkerIO
 from toolpool.supervisor.machine import WorkerRecord

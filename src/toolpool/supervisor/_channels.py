@@ -54,8 +54,8 @@ from .machine import (
     Orphaned,
     Progressed,
     ProviderDown,
-    ProviderResized,
     ProviderUp,
+    Resized,
     RestartReaper,
     Send,
     Settled,
@@ -78,7 +78,7 @@ _log = logging.getLogger("toolpool.supervisor")
 _PROVIDER_ACTIONS: Final = (
     ProviderUp,
     ProviderDown,
-    ProviderResized,
+    Resized,
     WorkerUp,
     WorkerDown,
     Unkillable,

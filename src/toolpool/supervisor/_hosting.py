@@ -40,12 +40,10 @@ from .machine import (
     ProviderRecord,
     ProviderSpec,
     ProviderUp,
+    Resized,
     Unkillable,
     WorkerDown,
     WorkerUp,
-)
-from .machine import (
-    ProviderResized as ResizedAction,
 )
 
 __all__ = (
@@ -467,14 +465,14 @@ class Hosting:
     # ------------------------------------------------------------------ the core's actions
 
     def _on_provider_action(
-        self, action: ProviderUp | ProviderDown | ResizedAction | WorkerUp | WorkerDown | Unkillable
+        self, action: ProviderUp | ProviderDown | Resized | WorkerUp | WorkerDown | Unkillable
     ) -> None:
         listeners = self._listeners
         if isinstance(action, Unkillable):
             w = self._core.workers.get(action.wid)
             if w is not None:  # out of service now (its end, much later, is not told again)
                 listeners.emit(WorkerExited(w.pid, w.provider.name, "unkillable"))
-        elif isinstance(action, ResizedAction):
+        elif isinstance(action, Resized):
             options = self._options.get(action.provider.name)
             if options is not None:
                 options.workers = action.new

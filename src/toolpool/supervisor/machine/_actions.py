@@ -21,7 +21,7 @@ __all__ = (
     "Orphaned",
     "Progressed",
     "ProviderDown",
-    "ProviderResized",
+    "Resized",
     "ProviderUp",
     "RestartReaper",
     "Send",
@@ -144,7 +144,7 @@ class ProviderDown(NamedTuple):
     reason: str
 
 
-class ProviderResized(NamedTuple):
+class Resized(NamedTuple):
     """``provider`` was resized from ``old`` to ``new`` workers (``reason``: a ``resize``
     call, or the autoscaler's decision and why)."""
 
@@ -188,7 +188,7 @@ Action = (
     | FirstHello
     | ProviderUp
     | ProviderDown
-    | ProviderResized
+    | Resized
     | WorkerUp
     | WorkerDown
 )

@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Final
 
 from ...core import CancelCause
-from ...protocol import Call as CallMessage
-from ...protocol import Recall, Resume, Shutdown, encode
+from ...protocol import CallMessage, Recall, Resume, Shutdown, encode
 from .._results import Rung, WorkerState
 from ._actions import Send
 from ._records import CallRecord, CallState, ProviderRecord, ProviderState, WorkerRecord

@@ -19,7 +19,7 @@ from typing import Final
 
 from ...core import CancelCause, ToolConflictError, WorkerStartError
 from .._results import WorkerState
-from ._actions import Changed, ProviderDown, ProviderResized, ProviderUp, Spawn
+from ._actions import Changed, ProviderDown, ProviderUp, Resized, Spawn
 from ._dispatch import Dispatch
 from ._ladder import Ladder
 from ._records import Autoscale, ProviderRecord, ProviderSpec, ProviderState, WorkerRecord
@@ -132,7 +132,7 @@ class Fleet:
 
     def _resize(self, p: ProviderRecord, size: int, *, force: bool, reason: str) -> None:
         if size != p.spec.size:
-            self.s.act(ProviderResized(p, p.spec.size, size, reason))
+            self.s.act(Resized(p, p.spec.size, size, reason))
         p.spec = dataclasses.replace(p.spec, size=size)
         target = size + p.spec.warm_spares
         excess = self.serving_count(p) - target

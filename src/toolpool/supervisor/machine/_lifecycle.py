@@ -17,16 +17,15 @@ from ...protocol import (
     Heartbeat,
     Hello,
     Pong,
-    Progress,
+    ProgressMessage,
     ProtocolViolation,
+    ResultMessage,
     Resume,
+    StartedMessage,
     Withdrawn,
     encode,
 )
-from ...protocol import Result as ResultMessage
-from ...protocol import Started as StartedMessage
-from .._results import Progress as CallProgress
-from .._results import Rung, WorkerState
+from .._results import Progress, Rung, WorkerState
 from ._actions import (
     Changed,
     Clean,
@@ -175,7 +174,7 @@ class Lifecycle:
                 raise ProtocolViolation("a heartbeat before its hello")
             self._spend(w)
             self.on_heartbeat(w)
-        elif isinstance(msg, Progress):
+        elif isinstance(msg, ProgressMessage):
             self._spend(w)
             self._on_progress(w, msg)
         elif isinstance(msg, Pong):
@@ -245,11 +244,11 @@ class Lifecycle:
         if budget < 0:
             raise ProtocolViolation("a flood of heartbeat and progress messages")
 
-    def _on_progress(self, w: WorkerRecord, msg: Progress) -> None:
+    def _on_progress(self, w: WorkerRecord, msg: ProgressMessage) -> None:
         call = w.call
         if call is None or call.id != msg.call_id or not call._started:
             raise ProtocolViolation(f"progress for call {msg.call_id}, whose body it does not run")
-        call._progress = CallProgress(msg.done, msg.total, msg.message)
+        call._progress = Progress(msg.done, msg.total, msg.message)
         self.s.act(Progressed(call))
 
     def _on_result(self, w: WorkerRecord, msg: ResultMessage) -> None:

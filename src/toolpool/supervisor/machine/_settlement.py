@@ -17,8 +17,7 @@ from ...core import (
     CancelCause,
     Outcome,
 )
-from ...protocol import ProtocolViolation, decode_from_worker, unpack_value
-from ...protocol import Result as ResultMessage
+from ...protocol import ProtocolViolation, ResultMessage, decode_from_worker, unpack_value
 from ...sandbox._profile import _human as _human_size
 from .._results import Result, Rung, Timeline
 from ._actions import Settled
