@@ -7,7 +7,7 @@ it uses (``docs/core.md``, "Where things are"):
 ``_settlement.py``  results: building them, settling, the post-mortem of a dead worker
 ``_dispatch.py``    the call queue: dispatch, prefetch, recall and stealing, retiring
 ``_ladder.py``      cancellation and the escalation ladder (C4.1, C4.2), quarantine
-``_providers.py``   providers: their workers' complement, add, remove, resize, reload
+``_fleet.py``       providers: their workers' complement, add, remove, resize, reload
 ``_lifecycle.py``   workers: hello, messages, start failures, death, replacement, the reaper
 ``_machine.py``     :class:`Machine`: owns the parts; the events in, ``flush()`` out
 
