@@ -29,7 +29,7 @@ from toolpool._batch import Batch, BatchOptions, Watcher
 TESTS = Path(__file__).resolve().parent
 TOOLS = "batch_tools:registry"
 HOSTILE = "toolpool.testing.hostile:registry"
-RECORD_KEYS = {"id", "outcome", "body_started", "attempts", "duration_s"}
+RECORD_KEYS = {"id", "outcome", "body_started", "attempts", "duration_s", "queued_s"}
 
 
 def _env() -> dict[str, str]:
@@ -161,11 +161,20 @@ def test_one_record_per_id_with_the_fields_of_the_issue_and_resume_skips_them(
     assert set(recs) == {"a", 2, "c", "d", "e"}
     assert recs["a"] == {**recs["a"], "outcome": "ok", "value": None, "body_started": True}
     assert recs[2]["value"] == {"x": [1, "é", None]}
-    assert list(recs[2]) == ["id", "outcome", "value", "body_started", "attempts", "duration_s"]
+    assert list(recs[2]) == [
+        "id",
+        "outcome",
+        "value",
+        "body_started",
+        "attempts",
+        "duration_s",
+        "queued_s",
+    ]
     assert recs["c"]["outcome"] == "error"
     assert recs["c"]["error"] == "Error: RuntimeError: nope"
     assert list(recs["c"]) == [
-        "id", "outcome", "error", "error_name", "body_started", "attempts", "duration_s"
+        "id", "outcome", "error", "error_name", "body_started", "attempts", "duration_s",
+        "queued_s",
     ]  # fmt: skip
     for unrecordable in ("d", "e"):
         assert recs[unrecordable]["outcome"] == "error"
@@ -249,7 +258,9 @@ def test_every_kind_of_bad_line_gets_a_record_and_the_batch_goes_on(tmp_path: Pa
     again = batch(inp, out, "--json")
     assert again.returncode == 1
     assert out.read_bytes() == before
-    assert summary_of(again)["rejected"] == len(BAD_LINES)
+    # ... and counted apart: this run rejected no new line (issue 27).
+    assert summary_of(again)["rejected"] == 0
+    assert summary_of(again)["rejected_before"] == len(BAD_LINES)
 
 
 def main_here(
@@ -510,6 +521,22 @@ def test_ctrl_c_or_sigterm_cancels_every_call_records_what_settled_and_a_resume_
     recs = by_id(records(out))
     assert set(recs) == set(range(6))
     assert sorted(r["outcome"] for r in recs.values()) == ["aborted"] * 2 + ["ok"] * 4
+    # The two aborted calls had started: a resume never runs them again unless asked,
+    # and --rerun asks for it only with --idempotent (issue 27).
+    kept = out.read_bytes()
+    refused = batch(inp, out, "--json", "--rerun", "aborted")
+    assert refused.returncode == 2, refused.stderr
+    assert "--rerun would run 2 call(s) again whose body started" in refused.stderr
+    assert "--idempotent" in refused.stderr
+    assert out.read_bytes() == kept
+    rerun = batch(inp, out, "--json", "--rerun", "aborted", "--idempotent")
+    assert rerun.returncode == 0, rerun.stderr
+    summary = summary_of(rerun)
+    assert (summary["rerun"], summary["skipped"], summary["recorded"]) == (2, 4, {"ok": 2})
+    assert summary["previous"] == {"ok": 4}
+    latest = {r["id"]: r for r in records(out)}  # (the last record of an id wins)
+    assert {r["outcome"] for r in latest.values()} == {"ok"}
+    assert len(records(out)) == 8
 
 
 @pytest.mark.timeout(120)
@@ -725,3 +752,169 @@ def test_on_a_terminal_a_live_bar_unless_no_progress(tmp_path: Path) -> None:
     status, shown = _stderr_on_a_terminal(inp, tmp_path / "out2.jsonl", "--no-progress")
     assert status == 0, shown
     assert shown == b""
+
+
+# ------------------------------------------------------------------ issue 27
+
+
+@pytest.mark.timeout(120)
+def test_nothing_is_created_when_the_batch_refuses_to_run(tmp_path: Path) -> None:
+    """Everything is checked before the results file is created: bad options, tools that
+    cannot be loaded, a directory that is not there."""
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": 1, "tool": "noop", "args": {}}])
+    out = tmp_path / "out.jsonl"
+    for options, tools, message in (
+        (("--workers", "0"), TOOLS, "--workers must be 1 or more"),
+        (("--workers", "1"), "no_such_module_here:registry", "No module named"),
+        (("--rerun", "nonsense"), TOOLS, "unknown outcome(s) 'nonsense'"),
+    ):
+        done = batch(inp, out, *options, tools=tools)
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr
+        assert not out.exists(), options
+    nowhere = batch(inp, tmp_path / "no" / "out.jsonl")
+    assert nowhere.returncode == 2
+    assert "cannot create" in nowhere.stderr
+
+
+@pytest.mark.timeout(120)
+def test_calls_are_read_from_stdin_and_text_is_recorded_as_it_is(tmp_path: Path) -> None:
+    """`-` reads the calls from standard input; an id or a value that is not ASCII reads
+    as itself in the record (UTF-8), not as an escape; a bad JSON line's position is its
+    column (the line number is the record's)."""
+    lines = [
+        {"id": "café", "tool": "echo", "args": {"value": "naïve ✓"}},
+        {"id": 2, "tool": "noop", "args": {}},
+        '{"id": 3, "tool": "noop", "args": {}',
+    ]
+    text = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
+    out = tmp_path / "out.jsonl"
+    done = subprocess.run(
+        _command(Path("-"), out, "--json"),
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=_env(),
+    )
+    assert done.returncode == 1, done.stderr  # (the bad line)
+    summary = summary_of(done)
+    assert (summary["total_lines"], summary["lines"]) == (None, 3)
+    assert summary["recorded"] == {"ok": 2, "rejected": 1}
+    data = out.read_bytes()
+    assert '"id":"café"'.encode() in data
+    assert "naïve ✓".encode() in data
+    assert b"\\u" not in data
+    recs = records(out)
+    assert by_id(recs)["café"]["value"] == "naïve ✓"
+    (rejected,) = [r for r in recs if r["outcome"] == "rejected"]
+    assert rejected["error"].startswith("line 3: not valid JSON ("), rejected
+    assert f"column {len(lines[2]) + 1})" in rejected["error"]  # (just after its end)
+    assert "line 1" not in rejected["error"]
+
+
+@pytest.mark.timeout(120)
+def test_duration_excludes_queueing_which_queued_s_says(tmp_path: Path) -> None:
+    """One worker, three calls of 0.4 s: the last waited for the two before it. Its
+    duration_s is its own run; queued_s is the wait."""
+    lines = [{"id": i, "tool": "sleep_ms", "args": {"ms": 400}} for i in range(3)]
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    done = batch(inp, out, "--workers", "1")
+    assert done.returncode == 0, done.stderr
+    recs = by_id(records(out))
+    # (The body's start is when the worker's report of it arrived: a little after it.)
+    assert all(r["duration_s"] + r["queued_s"] >= 0.4 for r in recs.values()), recs
+    waited = max(recs.values(), key=lambda r: r["queued_s"])
+    assert waited["queued_s"] >= 0.8, recs  # (behind two calls of 0.4 s: at least that)
+    assert 0 < waited["duration_s"] < waited["queued_s"], recs
+
+
+def test_the_help_says_what_the_options_say(capsys: pytest.CaptureFixture[str]) -> None:
+    from toolpool._cli import main
+
+    for command in ("batch", "demo"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        if command == "batch":
+            assert "RESULTS" not in text
+            assert "to OUTPUT as its call" in " ".join(text.split())
+            assert "--rerun OUTCOME[,OUTCOME]" in text
+        else:
+            assert "what was observed" in " ".join(text.split())
+
+
+@pytest.mark.timeout(180)
+def test_rerun_makes_recorded_calls_again_where_safe_and_refuses_otherwise(
+    tmp_path: Path,
+) -> None:
+    """`--rerun worker_lost`: a call whose worker died before its body started runs again
+    (nothing ran); one whose body started needs --idempotent, and without it nothing runs."""
+    before = write_lines(
+        tmp_path / "before.jsonl",
+        [{"id": "b", "tool": "crash_before", "args": {"marker": str(tmp_path / "b")}}],
+    )
+    out = tmp_path / "before-out.jsonl"
+    first = batch(before, out, "--json")
+    assert first.returncode == 1, first.stderr
+    assert by_id(records(out))["b"]["body_started"] is False
+    again = batch(before, out, "--json", "--rerun", "worker_lost")
+    assert again.returncode == 0, again.stderr  # (the last record of "b" is ok)
+    summary = summary_of(again)
+    assert (summary["rerun"], summary["recorded"], summary["previous"]) == (1, {"ok": 1}, {})
+    assert [r["outcome"] for r in records(out)] == ["worker_lost", "ok"]
+
+    after = write_lines(
+        tmp_path / "after.jsonl",
+        [{"id": "a", "tool": "crash_after", "args": {"marker": str(tmp_path / "a")}}],
+    )
+    out = tmp_path / "after-out.jsonl"
+    assert batch(after, out).returncode == 1
+    assert by_id(records(out))["a"]["body_started"] is not False
+    kept = out.read_bytes()
+    refused = batch(after, out, "--rerun", "killed,worker_lost")
+    assert refused.returncode == 2
+    assert "--rerun would run 1 call(s) again whose body started or may have (ids 'a')" in (
+        refused.stderr
+    )
+    assert out.read_bytes() == kept
+    allowed = batch(after, out, "--json", "--rerun", "worker_lost", "--idempotent")
+    assert allowed.returncode == 0, allowed.stderr
+    assert [r["outcome"] for r in records(out)] == ["worker_lost", "ok"]
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_pipe_never_blocks_the_batch(tmp_path: Path) -> None:
+    """Calls read from a pipe whose writer is slow, then silent: what came is run and
+    recorded at once, and Ctrl-C (a real SIGINT) stops the batch while it waits for more."""
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(
+        _command(Path("-"), out, "--json"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+    )
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write(b'{"id": 1, "tool": "noop", "args": {}}\n\n')
+        proc.stdin.flush()
+        wait_for(lambda: out.exists() and b'"id":1' in out.read_bytes(), "the first record")
+        proc.stdin.write(b'{"id": 2, "tool": "noop", "args": {}}\n')
+        proc.stdin.flush()
+        wait_for(lambda: b'"id":2' in out.read_bytes(), "the second record")
+        proc.send_signal(signal.SIGINT)  # (the writer is silent, the pipe still open)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, stderr
+    summary = json.loads(stdout)
+    assert (summary["lines"], summary["recorded"], summary["interrupted"]) == (
+        2,
+        {"ok": 2},
+        True,
+    )
+    assert [r["id"] for r in records(out)] == [1, 2]

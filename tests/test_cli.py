@@ -6,6 +6,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
@@ -101,14 +102,78 @@ def test_profile_options_map_to_the_profile() -> None:
 def test_selftest_passes_the_kit_here() -> None:
     done = toolpool("selftest", timeout=110)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "20 passed, 0 failed" in done.stdout
+    assert "21 held, 0 not held" in done.stdout
+    assert "0 not run, 0 FAILED" in done.stdout
     # The table is whole: what the pool logs while the kit provokes it comes after it, and
     # no observed value is cut off.
     assert done.stderr == ""
     table = done.stdout.partition("\nthreat ")[2].partition("\n\n")[0]
     assert "stranger connected" not in table
     assert "quarantined" not in table
-    assert "'sibling': 'blocked'}" in table
+    assert "sibling: blocked" in table
+
+
+def _rows(stdout: str) -> dict[str, str]:
+    """The selftest table's rows by threat, each row's lines joined."""
+    table = stdout.partition("\nthreat ")[2].partition("\n\n")[0].splitlines()[2:]
+    rows: dict[str, str] = {}
+    last = ""
+    for line in table:
+        if line.startswith(" "):
+            rows[last] += "\n" + line
+        else:
+            last = line[:46].strip()
+            rows[last] = line
+    return rows
+
+
+@pytest.mark.timeout(240)
+def test_selftest_never_calls_a_threat_that_went_through_a_pass() -> None:
+    """Issue 27: under `default` without cgroups, what went through says "not held" and
+    why, each status is counted apart, and the exit status is 0 (the profile claims none of
+    it). The fd row names the limit that applied; no observed cell is cut mid-word."""
+    done = toolpool("selftest", "--profile", "default", "--no-cgroups", timeout=230)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = _rows(done.stdout)
+    for threat in (
+        "fork bomb",
+        "memory hog",
+        "signals the reaper or the supervisor",
+        "signals a sibling worker",
+        "reaches the network",
+        "changes metadata outside its scratch directory",
+    ):
+        assert "  not held  -" in rows[threat], rows[threat]
+    assert "(no Landlock, no uid of" in rows["signals the reaper or the supervisor"]
+    assert "RLIMIT_NOFILE=" in rows["fd exhaustion"]
+    assert "(inherited)" in rows["fd exhaustion"]
+    assert " pass " not in done.stdout
+    assert "0 not run, 0 FAILED" in done.stdout
+    assert "6 not held (expected under this profile" in done.stdout
+    assert "map keys must be str" in done.stdout  # (whole: once cut at 120 characters)
+
+
+@pytest.mark.timeout(120)
+def test_selftest_exits_non_zero_when_a_claimed_layer_let_a_threat_through(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A row judged FAILED (here: a check that claims the network is cut, under a profile
+    that allows it) makes the run fail, and the summary names it."""
+    from toolpool._cli import main
+    from toolpool.testing import hostile
+
+    _kit = sys.modules[hostile.Threat.__module__]  # (the kit's own module: run_kit reads it)
+
+    def claims_netns(result: object, setting: object) -> object:
+        return _kit._held(getattr(result, "value", None) == "ENETUNREACH", "ENETUNREACH", "x")
+
+    threat = _kit.Threat("reaches the network", "reach_network", {}, "call", claims_netns)  # type: ignore[arg-type]
+    monkeypatch.setattr(_kit, "THREATS", (threat,))
+    status = main(["selftest", "--profile", "default", "--no-cgroups"])
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert "0 held, 0 not held (expected under this profile: see 'expected'), 0 not run" in out
+    assert "1 FAILED (reaches the network)" in out
 
 
 def test_a_table_wraps_a_long_cell_instead_of_cutting_it() -> None:
@@ -122,6 +187,8 @@ def test_a_table_wraps_a_long_cell_instead_of_cutting_it() -> None:
         "   three",
         "   four five",
     ]
+    long = _table([("a", "b"), ("x", "see /a/very/long/path/to/it now")], wrap={1: 9})
+    assert long.splitlines()[2:] == ["x  see", "   /a/very/long/path/to/it", "   now"]
 
 
 # ------------------------------------------------------------------ what a new user hits
@@ -226,7 +293,7 @@ def test_every_option_has_help_text() -> None:
         if not action.help and not isinstance(action, argparse._SubParsersAction)
     ]
     assert not missing
-    assert len(parsers(_parser())) == 7  # toolpool and its 6 commands
+    assert len(parsers(_parser())) == 8  # toolpool and its 7 commands
 
 
 @pytest.mark.timeout(90)
@@ -295,7 +362,11 @@ def test_ctrl_c_says_what_the_pool_does_and_ends_without_a_traceback(
         "toolpool: stopped: every call settled and every process of the pool is gone"
     )
     assert len(lines) == 2, err
-    assert out == ""
+    # The call settled (escalated: it ignores its cancel): what it settled as is printed
+    # (issue 27: it printed nothing).
+    result = json.loads(out)
+    assert (result["outcome"], result["body_started"]) == ("killed", True), result
+    assert result["rung"] in ("sigterm", "sigkill")
     assert _gone(worker)
 
 
@@ -309,8 +380,9 @@ def test_a_second_ctrl_c_kills_at_once(agenttools: Path) -> None:
     first = proc.stderr.readline()  # the pool is stopping: it would wait 600 s
     assert first.startswith("toolpool: interrupted: stopping the pool."), first
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)  # far below the 600 s grace
+    out, err = proc.communicate(timeout=60)  # far below the 600 s grace
     assert proc.returncode == 130, err
+    assert json.loads(out)["rung"] == "sigkill"
     lines = err.strip().splitlines()
     assert lines == [
         "toolpool: interrupted again: killing 1 call now (SIGKILL)",
@@ -373,3 +445,148 @@ def test_a_reader_gone_away_ends_the_command_quietly(args: tuple[str, ...]) -> N
     assert proc.returncode == 141, err
     assert err == ""
     assert _reapers_of(proc.pid) == []
+
+
+@pytest.mark.timeout(120)
+def test_the_cli_logs_to_stderr_with_its_prefix_at_the_level_asked() -> None:
+    """Issue 27: no bare WARNING lines from Python's fallback handler: the command's own,
+    on stderr (stdout stays the result), prefixed, at ``--log-level`` (before or after the
+    subcommand)."""
+    done = toolpool("call", EXAMPLES, "crash", '{"code": 3}')
+    assert done.returncode == 1
+    assert json.loads(done.stdout)["outcome"] == "worker_lost"
+    lines = done.stderr.splitlines()
+    assert lines, done.stderr
+    assert all(line.startswith("toolpool: ") for line in lines), lines
+    assert any(
+        line.startswith("toolpool: warning: worker ") and "died during a call" in line
+        for line in lines
+    ), lines
+    quiet = toolpool("call", EXAMPLES, "crash", '{"code": 3}', "--log-level", "error")
+    assert quiet.returncode == 1
+    assert quiet.stderr == ""
+    chatty = toolpool("--log-level", "debug", "call", EXAMPLES, "noop")
+    assert chatty.returncode == 0, chatty.stderr
+    assert "toolpool: debug: worker 1 (pid " in chatty.stderr
+    assert "retired (the pool is closing)" in chatty.stderr
+
+
+def test_importing_toolpool_adds_a_null_handler() -> None:
+    handlers = logging.getLogger("toolpool").handlers
+    assert any(isinstance(h, logging.NullHandler) for h in handlers), handlers
+
+
+# ------------------------------------------------------------------ issue 27: CLI slips
+
+BROKEN_MODULES = {
+    "raises_at_import": "import toolpool\nregistry = toolpool.Registry()\n1 / 0\n",
+    "bad_syntax": "import toolpool\nregistry = toolpool.Registry(\n",
+    "not_a_registry": "registry = 3\n",
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("module", sorted(BROKEN_MODULES))
+def test_tools_that_cannot_load_are_the_same_one_line_for_tools_and_call(
+    tmp_path: Path, module: str
+) -> None:
+    (tmp_path / f"{module}.py").write_text(BROKEN_MODULES[module])
+    listed = _run_here(tmp_path, "tools", f"{module}:registry")
+    called = _run_here(tmp_path, "call", f"{module}:registry", "anything")
+    for done in (listed, called):
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert called.stderr == listed.stderr
+    expected = {
+        "raises_at_import": "raised ZeroDivisionError: division by zero",
+        "bad_syntax": "raised SyntaxError: '(' was never closed",
+        "not_a_registry": "TypeError: 'not_a_registry:registry' is an int, not a toolpool.Registry",
+    }[module]
+    assert expected in listed.stderr
+
+
+PROGRESS_TOOLS = '''
+import time
+
+import toolpool
+
+registry = toolpool.Registry()
+
+
+@registry.tool
+def steps(n: int, execution: toolpool.ToolExecution) -> int:
+    """Print a line and report progress n times."""
+    for i in range(n):
+        print(f"step {i}", flush=True)
+        execution.report_progress(i + 1, n, f"step {i}")
+        time.sleep(0.1)
+    return n
+'''
+
+
+@pytest.mark.timeout(120)
+def test_call_output_captures_what_the_tool_writes(tmp_path: Path) -> None:
+    (tmp_path / "progress_tools.py").write_text(PROGRESS_TOOLS)
+    shown = _run_here(tmp_path, "call", "progress_tools:registry", "steps", '{"n": 3}', "--output")
+    assert shown.returncode == 0, shown.stderr
+    result = json.loads(shown.stdout)
+    assert result["output"] == "step 0\nstep 1\nstep 2\n"
+    # Times to the microsecond, not 0.0005549999999999999.
+    for value in [result["cpu_time"], result["duration"], *result["timeline"].values()]:
+        assert value == round(value, 6), value
+    plain = _run_here(tmp_path, "call", "progress_tools:registry", "steps", '{"n": 1}')
+    assert json.loads(plain.stdout)["output"] is None
+    assert "\x1b" not in plain.stderr  # not a terminal: no progress line
+
+
+@pytest.mark.timeout(120)
+def test_call_shows_progress_on_a_terminal(tmp_path: Path) -> None:
+    """With stderr on a terminal (a pty), the tool's progress reports are shown on one
+    line, cleared at the end; stdout is still the result alone."""
+    (tmp_path / "progress_tools.py").write_text(PROGRESS_TOOLS)
+    leader, follower = os.openpty()
+    try:
+        proc = subprocess.Popen(
+            [*_script(), "call", "progress_tools:registry", "steps", '{"n": 10}'],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=follower,
+            cwd=tmp_path,
+        )
+        os.close(follower)
+        follower = -1
+        seen = b""
+        while True:  # until the command closes the terminal (it exited)
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # EIO: no process has the terminal open any more
+                break
+            if not chunk:
+                break
+            seen += chunk
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    assert proc.returncode == 0
+    assert json.loads(stdout)["value"] == 10
+    text = seen.decode(errors="replace")
+    assert "toolpool: steps: " in text, text
+    assert "/10 step " in text, text
+    assert text.rindex("\r\x1b[K") > text.rindex("toolpool: steps: "), text  # cleared
+
+
+def test_main_leaves_the_toolpool_logger_as_it_found_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The command's handler is its own while it runs: a program (a test) that runs
+    ``main`` in-process keeps its logging (caplog sees the pool's records afterwards)."""
+    from toolpool._cli import main
+
+    log = logging.getLogger("toolpool")
+    before = (log.level, log.propagate, list(log.handlers))
+    assert main(["--log-level", "debug", "tools", EXAMPLES]) == 0
+    assert (log.level, log.propagate, list(log.handlers)) == before
+    assert json.loads(capsys.readouterr().out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -813,3 +814,55 @@ def test_the_read_only_layer_is_reported_and_its_absence_logged(
     default = toolpool.Pool(HOSTILE, workers=1)
     readonly = {layer.name: layer for layer in default.containment().layers}["readonly_fs"]
     assert readonly.detail == "not requested by the profile"
+
+
+# ------------------------------------------------------------------ what a kit row says
+
+
+def _threat(name: str) -> Any:
+    return next(t for t in THREATS if t.name == name)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_a_threat_that_goes_through_as_the_profile_allows_is_not_held() -> None:
+    """Issue 27: under `default` a tool signals the supervisor and reaches the network. The
+    rows say so ("not held", nothing named as what stopped it), never "held"; nothing
+    failed, as the profile claims nothing there."""
+    async with toolpool.Pool(HOSTILE, workers=2, profile=WEAKEST) as pool:
+        up = await run_threat(pool, _threat("signals the reaper or the supervisor"), "m1")
+        net = await run_threat(pool, _threat("reaches the network"), "m2")
+        sibling = await run_threat(pool, _threat("signals a sibling worker"), "m3")
+    for verdict in (up, net, sibling):
+        assert (verdict.status, verdict.caught_by) == ("not held", "-"), verdict
+        assert verdict.passed
+    assert "'supervisor': 'delivered'" in up.observed
+    assert sibling.observed == "sibling: delivered"
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_the_sibling_check_says_not_run_without_a_second_worker() -> None:
+    async with toolpool.Pool(HOSTILE, workers=1, profile=WEAKEST) as pool:
+        verdict = await run_threat(pool, _threat("signals a sibling worker"), "unused")
+    assert verdict.status == "not run", verdict
+    assert verdict.observed == "not run: 1 worker(s) up, no sibling"
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_the_fd_row_names_the_limit_that_applied() -> None:
+    """The label is what the tool ran under: the profile's RLIMIT_NOFILE, or the one the
+    worker inherited (said so) where the profile sets none."""
+    fd = _threat("fd exhaustion")
+    async with toolpool.Pool(HOSTILE, workers=1, profile=WEAKEST) as pool:
+        inherited = await run_threat(pool, fd, "unused")
+    capped = WEAKEST.with_limits(max_open_files=64)
+    async with toolpool.Pool(HOSTILE, workers=1, profile=capped) as pool:
+        ours = await run_threat(pool, fd, "unused")
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # (the workers inherit ours)
+    assert inherited.status == "held", inherited
+    assert inherited.caught_by == f"RLIMIT_NOFILE={soft} (inherited)"
+    assert "the profile sets none" in inherited.expected
+    assert (ours.status, ours.caught_by) == ("held", "RLIMIT_NOFILE=64"), ours
+    assert "'limit': 64" in ours.observed

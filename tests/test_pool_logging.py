@@ -73,3 +73,45 @@ async def test_a_start_failure_is_logged(
     (failed,) = _lines(caplog, "failed to start")
     assert failed.levelno == logging.INFO  # (the caller has the error: start() raised it)
     assert "ModuleNotFoundError" in failed.getMessage()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_worker_retired_on_purpose_is_logged_at_debug_with_the_real_reason(
+    anyio_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 27: a reload, a shrink, the rollback after a ToolConflictError and the close
+    retire workers on purpose. None of that is a warning, nor a dropped connection's guess
+    ("an oversized frame?"): one DEBUG line per worker says why it was retired."""
+    caplog.set_level(logging.DEBUG, logger="toolpool")
+    async with toolpool.Pool("provider_tools:alpha", workers=2) as pool:
+        assert (await pool.call("a_echo", {"value": 1})).ok
+        await pool.reload_provider("default")
+        await pool.resize("default", 1)
+        with pytest.raises(toolpool.ToolConflictError):
+            await pool.add_provider("other", "provider_tools:clash", workers=1)
+    retired = _lines(caplog, ") retired (")
+    reasons = [r.why for r in retired]  # type: ignore[attr-defined]
+    assert sum("provider 'default' was reloaded" in w for w in reasons) == 2, reasons
+    assert sum("provider 'default' was shrunk" in w for w in reasons) == 1, reasons
+    rolled_back = "the start of provider 'other' was rolled back: ToolConflictError"
+    assert sum(rolled_back in w for w in reasons) == 1, reasons
+    assert sum("the pool is closing" in w for w in reasons) == 1, reasons
+    assert {r.levelno for r in retired} == {logging.DEBUG}
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == [], caplog.text
+    assert not _lines(caplog, "oversized frame"), caplog.text
+    assert not _lines(caplog, "died"), caplog.text
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_pools_directory_removal_is_logged_once(
+    anyio_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="toolpool")
+    async with toolpool.Pool(EXAMPLES, workers=1) as pool:
+        await pool.add_provider("more", "provider_tools:beta", workers=1)  # (owned again)
+        assert (await pool.call("noop")).ok
+        pool_dir = pool._dir
+    assert pool_dir is not None
+    removals = _lines(caplog, "the pool's directory")
+    assert len(removals) == 1, caplog.text
+    assert pool_dir in removals[0].getMessage()

@@ -624,3 +624,15 @@ def test_fuzz_supervisor_shaped_frames_with_any_fields(kind: str, data: Any) -> 
     field = values | st.fixed_dictionaries({"kind": values})  # cause-like maps too
     fields = data.draw(st.lists(field, min_size=ARITY[kind], max_size=ARITY[kind]))
     check_decode(decode_from_supervisor, frame(kind, *fields))
+
+
+def test_an_undecodable_frame_says_why_even_where_msgpack_does_not() -> None:
+    """msgpack's FormatError has an empty message: the violation still says something
+    after its type (issue 27: it read 'FormatError: ')."""
+    from toolpool.protocol import ProtocolViolation, decode_from_worker
+
+    with pytest.raises(ProtocolViolation) as info:
+        decode_from_worker(b"\xc1garbage")
+    text = str(info.value)
+    assert not text.rstrip().endswith(":"), text
+    assert "FormatError: not msgpack" in text

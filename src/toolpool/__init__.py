@@ -8,7 +8,12 @@ worker process, which needs the registry but not the supervisor, imports only wh
 from __future__ import annotations
 
 import importlib as _importlib
+import logging as _logging
 import typing as _typing
+
+# A library logs; the application decides where it goes. Without a handler of its own, an
+# application that configured no logging sees nothing (not Python's bare fallback lines).
+_logging.getLogger("toolpool").addHandler(_logging.NullHandler())
 
 if _typing.TYPE_CHECKING:
     from .core import (
@@ -183,13 +188,19 @@ def __getattr__(name: str) -> _typing.Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'toolpool' has no attribute {name!r}")
-    obj = getattr(_importlib.import_module(f"toolpool.{module}"), name)
+    return _reexport(globals(), name, _importlib.import_module(f"toolpool.{module}"))
+
+
+def _reexport(namespace: dict[str, _typing.Any], name: str, module: _typing.Any) -> _typing.Any:
+    """``module.name``, cached in ``namespace`` (a package's globals) with ``__module__``
+    rewritten to that package, so tracebacks and reprs read ``package.Name``."""
+    obj = getattr(module, name)
     if isinstance(obj, type) or callable(obj):
         try:
-            obj.__module__ = __name__
+            obj.__module__ = namespace["__name__"]
         except (AttributeError, TypeError):
             pass
-    globals()[name] = obj
+    namespace[name] = obj
     return obj
 
 

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import json
 import logging
 import os
+import shutil
 import sys
 import textwrap
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 
@@ -22,7 +24,7 @@ from .core import DEFAULT_GRACES, Graces, ToolpoolError, WorkerStartError
 EXIT_BROKEN_PIPE = 141
 
 if TYPE_CHECKING:
-    from .supervisor import Result
+    from .supervisor import Call, Result
 
 
 def _add_grace_options(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +69,51 @@ def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
     )
 
 
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _add_log_level(cmd: argparse.ArgumentParser, default: str | None) -> None:
+    cmd.add_argument(
+        "--log-level",
+        choices=_LOG_LEVELS,
+        # (A subcommand's default must not override the level given before the subcommand.)
+        default=argparse.SUPPRESS if default is None else default,
+        help="what the pool logs to stderr, as 'toolpool: LEVEL: message' (default: warning)",
+    )
+
+
+class _LogFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"toolpool: {record.levelname.lower()}: {record.getMessage()}"
+
+
+#: The command's own log handler (stderr) while :func:`main` runs.
+_log_handler: logging.Handler | None = None
+
+
+@contextlib.contextmanager
+def _logging_to_stderr(level: str) -> Iterator[None]:
+    """The pool's log lines go to stderr, prefixed, at ``level`` and above; never into
+    stdout (results, batch summaries) and never through Python's bare fallback handler.
+    As it was afterwards (``main`` may run inside another program: a test)."""
+    global _log_handler
+    log = logging.getLogger("toolpool")
+    saved = log.level, log.propagate
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LogFormatter())
+    log.setLevel(level.upper())
+    log.addHandler(handler)
+    log.propagate = False
+    _log_handler = handler
+    try:
+        yield
+    finally:
+        _log_handler = None
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+
+
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -79,9 +126,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"toolpool {__version__}", help="print the version"
     )
+    _add_log_level(parser, "warning")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sub.add_parser("demo", help="run the built-in example job and show what happened")
+    sub.add_parser(
+        "demo",
+        help="run the built-in example job and show what happened",
+        description="Run a small job of built-in example tools through a pool (a call that "
+        "returns, one that ignores its cancel, one that ignores SIGTERM, one that leaves a "
+        "daemon behind...) and show, call by call, what was observed: the outcome, the rung "
+        "of the escalation ladder reached, and the timeline. Ctrl-C stops it as `call` does.",
+    )
 
     tools = sub.add_parser("tools", help="list the tools a registry provides, as JSON")
     tools.add_argument("spec", help="module:attribute naming a toolpool.Registry")
@@ -98,7 +153,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Run one call in a fresh one-worker pool and print its result as JSON; "
         "exit 0 if the outcome is ok, 1 if not. Ctrl-C stops the call as the pool stops "
         "calls (cancel, then SIGTERM and SIGKILL after the graces); a second Ctrl-C kills "
-        "it at once.",
+        "it at once; the settled result is printed and the exit status is 130. On a "
+        "terminal, what the tool reports of its progress is shown on stderr.",
     )
     call.add_argument("spec", help="module:attribute naming a toolpool.Registry")
     call.add_argument("tool", help="the tool's name")
@@ -107,9 +163,93 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=None, help="seconds before the call is cancelled"
     )
     _add_grace_options(call)
+    call.add_argument(
+        "--output",
+        nargs="?",
+        const=_CALL_OUTPUT,
+        default=None,
+        metavar="SIZE",
+        help="capture what the tool writes to stdout and stderr into the result's 'output' "
+        f"(at most SIZE, default {_CALL_OUTPUT})",
+    )
+    call.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="do not show the tool's progress reports on stderr (shown on a terminal only)",
+    )
     _add_profile_options(call, "default")
     _add_batch(sub)
+    _add_mcp(sub)
+    for name, cmd in sub.choices.items():  # (after the subcommand too: `batch --log-level`)
+        # `mcp`: stderr is the client's log of the server, what happened to each call.
+        _add_log_level(cmd, "info" if name == "mcp" else None)
     return parser
+
+
+#: How much of a tool's output ``toolpool call --output`` keeps by default.
+_CALL_OUTPUT = "1MiB"
+
+
+def _add_mcp(sub: Any) -> None:
+    mcp = sub.add_parser(
+        "mcp",
+        help="serve tools over the Model Context Protocol (stdio, or streamable HTTP)",
+        description="Serve the tools of each TOOLS registry (one provider each) over MCP: on "
+        "stdin/stdout by default, over streamable HTTP at http://HOST:PORT/mcp with --http. "
+        "A cancelled call is stopped as the pool stops calls, and confirmed only once its "
+        "process tree is gone. The client going away (stdin closed, client dead) cancels "
+        "every call (cause parent); SIGTERM or SIGINT drains (cause disposed). Needs the "
+        "'mcp' extra. See docs/mcp.md.",
+    )
+    mcp.add_argument("tools", nargs="+", metavar="TOOLS", help="module:attribute of a Registry")
+    mcp.add_argument("--workers", type=int, default=4, help="workers per provider (default: 4)")
+    mcp.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="serve streamable HTTP instead of stdio (loopback only unless --token-file)",
+    )
+    mcp.add_argument("--token-file", help="a file holding the bearer token HTTP clients must send")
+    mcp.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds a call may run, for tools whose provider sets no timeout",
+    )
+    _add_grace_options(mcp)
+    _add_profile_options(mcp, "default")
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--http takes HOST:PORT (e.g. 127.0.0.1:8000), not {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def _mcp(ns: argparse.Namespace) -> int:
+    from .mcp import _import
+
+    run = _import("_main").run
+    # stderr is the client's log of the server: what happened to each call (toolpool's
+    # loggers, at --log-level: info by default), and the warnings of the libraries under it.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
+    if ns.timeout is not None and not ns.timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {ns.timeout}")
+    return int(
+        anyio.run(
+            lambda: run(
+                ns.tools,
+                workers=ns.workers,
+                profile=_profile(ns),
+                timeout=ns.timeout,
+                cancel_grace=ns.cancel_grace,
+                term_grace=ns.term_grace,
+                http=_host_port(ns.http) if ns.http is not None else None,
+                token_file=ns.token_file,
+                say=say,
+            )
+        )
+    )
 
 
 def _add_batch(sub: Any) -> None:
@@ -117,14 +257,17 @@ def _add_batch(sub: Any) -> None:
         "batch",
         help="run a JSONL file of calls through a pool, resumably",
         description="Run every line of INPUT (a JSON object: id, tool, args, and optionally "
-        "timeout and group) as a call, and append one record per id to RESULTS as its call "
-        "settles. Run the same command again to resume: recorded ids are skipped. Ctrl-C "
+        "timeout and group) as a call, and append one record per id to OUTPUT as its call "
+        "settles. Run the same command again to resume: recorded ids are skipped (--rerun "
+        "names outcomes to run again). Ctrl-C "
         "or SIGTERM cancels every call (what settles is recorded); a second Ctrl-C kills "
         "them. Exit 0 if every record is ok, 1 if not or a line was rejected, 2 on a usage "
         "error, 130 if interrupted. See docs/batch.md.",
     )
     batch.add_argument("spec", help="module:attribute naming a toolpool.Registry")
-    batch.add_argument("input", help="the input file, one JSON object per line")
+    batch.add_argument(
+        "input", help="the input file, one JSON object per line ('-': standard input)"
+    )
     batch.add_argument(
         "-o", "--output", required=True, help="the results file (appended to; resumed from)"
     )
@@ -145,7 +288,16 @@ def _add_batch(sub: Any) -> None:
     batch.add_argument(
         "--idempotent",
         action="store_true",
-        help="the tools may run twice: --retries also retries calls whose body started",
+        help="the tools may run twice: --retries also retries calls whose body started, "
+        "and --rerun runs them again",
+    )
+    batch.add_argument(
+        "--rerun",
+        type=_outcomes,
+        default=frozenset(),
+        metavar="OUTCOME[,OUTCOME]",
+        help="on resume, run again the calls recorded with these outcomes (e.g. "
+        "aborted,killed,worker_lost); refused without --idempotent where a body started",
     )
     batch.add_argument("--no-progress", action="store_true", help="no progress bar")
     batch.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -161,16 +313,40 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _seconds(value: float | None) -> float | None:
+    """Seconds to the microsecond (``0.000555``, not ``0.0005549999999999999``)."""
+    return None if value is None else round(value, 6)
+
+
 def _result_json(result: Result) -> dict[str, Any]:
-    """Every field of the result; the timeline as seconds since submission, step by step."""
+    """Every field of the result; the timeline as seconds since submission, step by step;
+    times to the microsecond."""
     out = {
         f.name: _jsonable(getattr(result, f.name))
         for f in dataclasses.fields(result)
         if f.name != "timeline"
     }
-    out["duration"] = result.duration()
-    out["timeline"] = dict(result.timeline.steps())
+    out["cpu_time"] = _seconds(result.cpu_time)
+    out["duration"] = _seconds(result.duration())
+    out["timeline"] = {step: _seconds(t) for step, t in result.timeline.steps()}
     return out
+
+
+async def _show_progress(call: Call, stream: TextIO) -> None:
+    """The call's progress reports on one line of ``stream`` (a terminal), rewritten as
+    they come; the line is cleared when the call settles."""
+    shown = False
+    try:
+        async for p in call.progress_updates():
+            amount = f"{p.done:g}" + (f"/{p.total:g}" if p.total is not None else "")
+            line = f"toolpool: {call.tool}: {amount}" + (f" {p.message}" if p.message else "")
+            stream.write("\r\x1b[K" + line[: shutil.get_terminal_size().columns - 1])
+            stream.flush()
+            shown = True
+    finally:
+        if shown:
+            stream.write("\r\x1b[K")
+            stream.flush()
 
 
 async def _call(ns: argparse.Namespace) -> int:
@@ -183,20 +359,29 @@ async def _call(ns: argparse.Namespace) -> int:
     if not isinstance(args, dict):
         raise ValueError("args must be a JSON object")
     stop = Interrupts(Graces(cancel=ns.cancel_grace, term=ns.term_grace))
+    progress = not ns.no_progress and sys.stderr.isatty()
 
     async def job() -> int:
+        call: Call | None = None
         async with Pool(
             ns.spec,
             workers=1,
             cancel_grace=ns.cancel_grace,
             term_grace=ns.term_grace,
             profile=_profile(ns),
+            capture_output=ns.output,
         ) as pool:
-            result: Result | None = None
-            with stop.cancellable():
-                result = await stop.wait(pool.submit(ns.tool, args, timeout=ns.timeout))
-        if result is None:
+            call = pool.submit(ns.tool, args, timeout=ns.timeout)
+            async with anyio.create_task_group() as tg:
+                if progress:
+                    tg.start_soon(_show_progress, call, sys.stderr)
+                with stop.cancellable():
+                    await stop.wait(call)
+        # Interrupted or not, the pool is closed: the call settled, and what it settled as
+        # is printed (the exit status is then 130).
+        if call is None or not call.done():
             return EXIT_INTERRUPTED
+        result = call.result()
         print(json.dumps(_result_json(result), indent=2, default=repr))
         return 0 if result.ok else 1
 
@@ -208,10 +393,15 @@ def _batch(ns: argparse.Namespace) -> int:
 
     if ns.retries < 0:
         raise ValueError(f"--retries must be 0 or more, got {ns.retries}")
+    if ns.workers < 1:
+        raise ValueError(f"--workers must be 1 or more, got {ns.workers}")
     if ns.timeout is not None and not ns.timeout > 0:
         raise ValueError(f"--timeout must be a positive number of seconds, got {ns.timeout}")
+    if ns.output == "-":
+        raise ValueError("the results file must be a file ('-' is for the input)")
     if (
-        os.path.exists(ns.output)
+        ns.input != "-"
+        and os.path.exists(ns.output)
         and os.path.exists(ns.input)
         and os.path.samefile(ns.input, ns.output)
     ):
@@ -225,10 +415,27 @@ def _batch(ns: argparse.Namespace) -> int:
         timeout=ns.timeout,
         retries=ns.retries,
         idempotent=ns.idempotent,
+        rerun=ns.rerun,
         cancel_grace=ns.cancel_grace,
         term_grace=ns.term_grace,
     )
     return anyio.run(_run_batch, options, ns.no_progress, ns.json)
+
+
+def _outcomes(text: str) -> frozenset[str]:
+    """``--rerun``'s value: outcomes, comma-separated."""
+    from .core import Outcome
+
+    known = [o.value for o in Outcome]
+    chosen = frozenset(part.strip() for part in text.split(",") if part.strip())
+    unknown = sorted(chosen - set(known))
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(
+            f"unknown outcome(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}"
+            if unknown
+            else "name at least one outcome"
+        )
+    return chosen
 
 
 async def _run_batch(options: Any, no_progress: bool, as_json: bool) -> int:
@@ -295,7 +502,9 @@ class _Collect(logging.Handler):
         self.lines.append(f"{record.levelname.lower()}: {record.getMessage()}")
 
 
-#: The widest the observed column gets in the selftest table; longer text wraps.
+#: The widest the expected and observed columns get in the selftest table; longer text
+#: wraps at a word.
+_EXPECTED_WIDTH = 36
 _OBSERVED_WIDTH = 48
 
 
@@ -308,6 +517,9 @@ async def _selftest(ns: argparse.Namespace) -> int:
     log = logging.getLogger("toolpool")
     collect = _Collect()
     log.addHandler(collect)
+    ours = _log_handler
+    if ours is not None:
+        log.removeHandler(ours)
     try:
         async with Pool(
             "toolpool.testing.hostile:registry",
@@ -320,29 +532,43 @@ async def _selftest(ns: argparse.Namespace) -> int:
             verdicts = await run_kit(pool)
     finally:
         log.removeHandler(collect)
-    rows = [("threat", "expected", "observed", "result", "caught by")]
-    rows += [
-        (v.threat, v.expected, v.observed, "pass" if v.passed else "FAIL", v.caught_by)
-        for v in verdicts
-    ]
-    print(_table(rows, wrap={2: _OBSERVED_WIDTH}))
+        if ours is not None:
+            log.addHandler(ours)
+    rows = [("threat", "expected under this profile", "observed", "result", "held by")]
+    rows += [(v.threat, v.expected, v.observed, v.status, v.caught_by) for v in verdicts]
+    print(_table(rows, wrap={1: _EXPECTED_WIDTH, 2: _OBSERVED_WIDTH}))
     if collect.lines:
         print("\nwhat the pool logged meanwhile (the kit provokes it):")
         for line in collect.lines:
             print(f"  {line}")
-    failed = [v for v in verdicts if not v.passed]
-    print(f"\n{len(verdicts) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+    print(f"\n{_kit_summary(verdicts)}")
+    return 1 if any(v.status == "FAILED" for v in verdicts) else 0
+
+
+def _kit_summary(verdicts: Sequence[Any]) -> str:
+    """The statuses counted apart, each said plainly (a 'not held' is no pass)."""
+    count = {s: sum(v.status == s for v in verdicts) for s in ("held", "not held", "not run")}
+    failed = [v.threat for v in verdicts if v.status == "FAILED"]
+    parts = [
+        f"{count['held']} held",
+        f"{count['not held']} not held (expected under this profile: see 'expected')",
+        f"{count['not run']} not run",
+        f"{len(failed)} FAILED" + (f" ({', '.join(failed)})" if failed else ""),
+    ]
+    return ", ".join(parts)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """Lines of at most ``width`` at word boundaries; a word longer than that (a path, a
+    repr) stands whole on a line of its own, never cut."""
+    return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
 
 
 def _table(rows: Sequence[Sequence[str]], *, wrap: Mapping[int, int]) -> str:
     """Columns padded to their widest cell; a column in ``wrap`` wraps at that width onto
     continuation lines instead (nothing is cut off). The first row is the header."""
     grid = [
-        [
-            (textwrap.wrap(c, wrap[i], break_on_hyphens=False) or [""]) if i in wrap else [c]
-            for i, c in enumerate(row)
-        ]
+        [(_wrap(c, wrap[i]) or [""]) if i in wrap else [c] for i, c in enumerate(row)]
         for row in rows
     ]
     width = len(rows[0])
@@ -367,15 +593,17 @@ def _tools(ns: argparse.Namespace) -> int:
 
 def _message(exc: BaseException) -> str:
     """``Type: message`` in one line. A worker's start failure carries the worker's
-    traceback: of an import that failed (the module or attribute is not there), its last
-    line says it all."""
+    traceback: where the worker could not load the tools (no such module or attribute, an
+    import that raised, not a Registry), its last line is what ``toolpool tools`` prints;
+    otherwise that line follows the failure's own first line."""
     text = str(exc)
     if isinstance(exc, WorkerStartError) and "Traceback (most recent call last):" in text:
         head, _, trace = text.partition("Traceback (most recent call last):")
         last = trace.strip().splitlines()[-1]
-        if last.startswith(("ModuleNotFoundError:", "ImportError:")):
-            text = head + last
-    return f"{type(exc).__name__}: {text}"
+        if "load_registry" in trace or last.startswith(("ModuleNotFoundError:", "ImportError:")):
+            return last
+        return f"{type(exc).__name__}: {head.strip()} {last}"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _put_cwd_on_path() -> None:
@@ -393,7 +621,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     _put_cwd_on_path()
     try:
-        status = _run(ns)
+        with _logging_to_stderr(ns.log_level):
+            status = _run(ns)
         sys.stdout.flush()  # (a reader gone away shows here, not as a traceback at exit)
         return status
     except BrokenPipeError:
@@ -402,7 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # what stays in stdout's buffer goes nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-    except (ToolpoolError, ValueError, TypeError, ImportError) as exc:
+    except (ToolpoolError, ValueError, TypeError, ImportError, OSError) as exc:
         print(_message(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -423,4 +652,6 @@ def _run(ns: argparse.Namespace) -> int:
         return anyio.run(_selftest, ns)
     if ns.command == "batch":
         return _batch(ns)
+    if ns.command == "mcp":
+        return _mcp(ns)
     raise AssertionError(f"unhandled command {ns.command!r}")  # pragma: no cover

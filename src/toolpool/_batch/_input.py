@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+from collections import deque
 from collections.abc import Container, Iterator, Mapping
 from typing import Any, BinaryIO, Final, final
 
-__all__ = ("FIELDS", "Job", "Rejection", "count_lines", "read_jobs")
+import anyio
+import anyio.from_thread
+
+__all__ = ("FIELDS", "Job", "PipeLines", "Rejection", "count_lines", "read_jobs")
 
 #: The fields an input line may have; the first three are required.
 FIELDS: Final = ("id", "tool", "args", "timeout", "group")
@@ -28,7 +33,18 @@ Id = str | int
 class Job:
     """One call to make: an input line that passed every check."""
 
-    __slots__ = ("args", "attempts", "first_submitted", "group", "id", "line", "timeout", "tool")
+    __slots__ = (
+        "args",
+        "attempts",
+        "first_submitted",
+        "group",
+        "id",
+        "line",
+        "queued",
+        "ran",
+        "timeout",
+        "tool",
+    )
 
     def __init__(
         self,
@@ -49,6 +65,22 @@ class Job:
         """Runs submitted so far."""
         self.first_submitted: float | None = None
         """When the first run was submitted (``time.monotonic()``)."""
+        self.queued = 0.0
+        """Seconds its runs so far waited before their body started (in the pool's queue,
+        or queued in a busy worker)."""
+        self.ran = 0.0
+        """Seconds its runs so far took, from their body's start to their settlement."""
+
+    def count_run(self, result: Any) -> None:
+        """Add a settled run's times (``result``: its :class:`toolpool.Result`) to
+        :attr:`queued` and :attr:`ran`: one whose body never started (as far as was
+        observed) only queued."""
+        times = result.timeline
+        if times.settled is None:
+            return
+        taken = times.started if times.started is not None else times.settled
+        self.queued += max(0.0, taken - times.submitted)
+        self.ran += max(0.0, times.settled - taken)
 
 
 @final
@@ -72,6 +104,87 @@ class _Skip:
 SKIPPED: Final = _Skip()
 
 
+@final
+class PipeLines:
+    """The lines of an input that is not a regular file (standard input, a pipe), read by a
+    thread so that the event loop never blocks on a silent writer: Ctrl-C is heard, calls
+    settle and records are written meanwhile. At most ``limit`` lines wait in memory (then
+    the thread waits for the batch).
+
+    Iterate it (what :func:`read_jobs` does) only while :meth:`ready`: a non-blank line is
+    buffered (each one :func:`read_jobs` takes ends at one), or the input ended.
+    """
+
+    def __init__(self, stream: BinaryIO, *, limit: int = 4096) -> None:
+        self._stream = stream
+        self._limit = limit
+        self._lines: deque[bytes] = deque()
+        self._lock = threading.Condition()
+        self._whole = 0  # non-blank lines buffered
+        self._ended = False
+        self._error: OSError | None = None
+        self._changed: anyio.Event | None = None
+
+    def ready(self) -> bool:
+        """A line can be taken without waiting (or the input ended)."""
+        return self._whole > 0 or self._ended
+
+    async def wait(self) -> None:
+        """Until :meth:`ready`, or :meth:`wake`."""
+        if not self.ready():
+            self._changed = anyio.Event()
+            await self._changed.wait()
+
+    def wake(self) -> None:
+        """End a :meth:`wait` (in the event loop's thread)."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def read(self) -> None:
+        """The reading thread's work: every line, then the end (in a worker thread of the
+        event loop's: ``anyio.to_thread.run_sync``)."""
+        try:
+            for line in self._stream:
+                with self._lock:
+                    while len(self._lines) >= self._limit:
+                        self._lock.wait()
+                    self._lines.append(line)
+                    whole = bool(line.strip())
+                    self._whole += whole
+                if whole:
+                    self._tell()
+        except OSError as exc:
+            self._error = exc
+        finally:
+            with self._lock:
+                self._ended = True
+                self._lock.notify_all()
+            self._tell()
+
+    def _tell(self) -> None:
+        try:
+            anyio.from_thread.run_sync(self.wake)
+        except RuntimeError:  # (the event loop is gone: nobody waits)
+            pass
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        with self._lock:
+            while not self._lines and not self._ended:
+                self._lock.wait()  # (not reached while ready(): only if misused)
+            if not self._lines:
+                if self._error is not None:
+                    raise ValueError(f"cannot read the input: {self._error.strerror}")
+                raise StopIteration
+            line = self._lines.popleft()
+            self._whole -= bool(line.strip())
+            self._lock.notify()
+        return line
+
+
 def count_lines(path: str) -> int | None:
     """The number of non-empty lines of the file at ``path`` (for a progress total), or None
     when it is not a regular file (a pipe can be read once only)."""
@@ -92,7 +205,7 @@ def count_lines(path: str) -> int | None:
 
 
 def read_jobs(
-    stream: BinaryIO,
+    stream: BinaryIO | PipeLines,
     *,
     tools: Mapping[str, object],
     recorded: Container[Id],
@@ -107,6 +220,12 @@ def read_jobs(
             continue
         try:
             line = json.loads(raw.decode())  # (decoded here: quicker than loads' own sniffing)
+        except json.JSONDecodeError as exc:
+            # Its position as a column of this line (the text ends at the line's end: an
+            # error found at its newline is at the column after the last character).
+            column = min(exc.pos, len(exc.doc.rstrip("\r\n"))) + 1
+            yield Rejection(number, f"line {number}: not valid JSON ({exc.msg}, column {column})")
+            continue
         except (ValueError, UnicodeDecodeError) as exc:
             yield Rejection(number, f"line {number}: not valid JSON ({exc})")
             continue

@@ -56,23 +56,54 @@ class ResultsFileError(ValueError):
 class Previous:
     """What a results file held before this run (all empty for a new file)."""
 
-    ids: set[Id] = field(default_factory=set)
-    """Ids with a call record: a resumed run skips them."""
-    outcomes: Counter[str] = field(default_factory=Counter)
-    """Their records by outcome."""
-    rejections: set[tuple[int, str]] = field(default_factory=set)
-    """(line, reason) of the rejection records: not written again for the same line."""
+    ids: dict[Id, tuple[str, bool | None]] = field(default_factory=dict)
+    """Ids with a call record, with its outcome and ``body_started`` (the last record of an
+    id wins: a rerun appends one): a resumed run skips them."""
+    rejections: set[tuple[int, Id | None]] = field(default_factory=set)
+    """(line, input id) of the rejection records: not written again for the same line (its
+    reason may differ: it lists the tools known then)."""
     repaired: int = 0
     """Bytes of a torn last line cut off (0: none)."""
+
+    @property
+    def outcomes(self) -> Counter[str]:
+        """The records by outcome (one per id)."""
+        return Counter(outcome for outcome, _ in self.ids.values())
+
+    def rerun(self, outcomes: frozenset[str], *, idempotent: bool) -> int:
+        """Forget the records of ``outcomes`` so that their calls run again; how many.
+        Without ``idempotent``, refuse (ValueError, nothing forgotten) where a body started
+        or may have (``body_started`` true or null): the tool would run twice."""
+        chosen = [i for i, (outcome, _) in self.ids.items() if outcome in outcomes]
+        started = [i for i in chosen if self.ids[i][1] is not False]
+        if started and not idempotent:
+            shown = ", ".join(map(repr, started[:5])) + (", ..." if len(started) > 5 else "")
+            raise ValueError(
+                f"--rerun would run {len(started)} call(s) again whose body started or may "
+                f"have (ids {shown}): their tools would run twice. Add --idempotent if they "
+                "are safe to run again"
+            )
+        for i in chosen:
+            del self.ids[i]
+        return len(chosen)
 
 
 #: One encoder for every record (json.dumps with options builds one per call).
 _ENCODER: Final = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 
 
+#: Text as it is (UTF-8): an id "café" reads "café" in the file, not "caf\\u00e9".
+_UTF8_ENCODER: Final = json.JSONEncoder(allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+
+
 def encode(record: dict[str, Any]) -> bytes:
-    """One record as a line of JSON (ASCII, so any text survives)."""
-    return (_ENCODER.encode(record) + "\n").encode("ascii")
+    """One record as a line of JSON, in UTF-8; where the text cannot be UTF-8 (a lone
+    surrogate from a ``\\ud800`` escape in the input), escaped as ASCII, so any text
+    survives."""
+    try:
+        return (_UTF8_ENCODER.encode(record) + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (_ENCODER.encode(record) + "\n").encode("ascii")
 
 
 def call_record(job: Job, result: Any) -> tuple[bytes, str]:
@@ -80,9 +111,8 @@ def call_record(job: Job, result: Any) -> tuple[bytes, str]:
     outcome it records: the fields of issue 18, in that order. A value JSON cannot hold makes
     an ``error`` record saying so."""
     outcome: Outcome = result.outcome
-    first = job.first_submitted if job.first_submitted is not None else result.timeline.submitted
-    settled = result.timeline.settled
-    duration = 0.0 if settled is None else max(0.0, settled - first)
+    job.count_run(result)
+    duration, queued = round(job.ran, 6), round(job.queued, 6)
     record: dict[str, Any] = {"id": job.id, "outcome": outcome.value}
     if outcome is _OK:
         record["value"] = result.value
@@ -91,18 +121,20 @@ def call_record(job: Job, result: Any) -> tuple[bytes, str]:
         record["error_name"] = result.error_name
     record["body_started"] = result.body_started
     record["attempts"] = job.attempts
-    record["duration_s"] = round(duration, 6)
+    record["duration_s"] = duration
+    record["queued_s"] = queued
     try:
         return encode(record), outcome.value
     except (TypeError, ValueError, OverflowError) as exc:
-        for name in ("value", "body_started", "attempts", "duration_s"):
+        for name in ("value", "body_started", "attempts", "duration_s", "queued_s"):
             record.pop(name, None)
         record["outcome"] = Outcome.ERROR.value
         record["error"] = f"the tool's value cannot be recorded as JSON: {exc}"
         record["error_name"] = UNRECORDABLE
         record["body_started"] = True
         record["attempts"] = job.attempts
-        record["duration_s"] = round(duration, 6)
+        record["duration_s"] = duration
+        record["queued_s"] = queued
         return encode(record), Outcome.ERROR.value
 
 
@@ -171,15 +203,15 @@ class ResultsFile:
                     )
                 outcome = record["outcome"]
                 if outcome == REJECTED:
-                    line, reason = record.get("line"), record.get("error")
-                    if isinstance(line, int) and isinstance(reason, str):
-                        previous.rejections.add((line, reason))
+                    line, input_id = record.get("line"), record.get("input_id")
+                    if isinstance(line, int):
+                        previous.rejections.add((line, input_id))
                     continue
                 rid = record.get("id")
                 if isinstance(rid, bool) or not isinstance(rid, (str, int)):
                     raise ResultsFileError(f"{self.path} line {number}: a record without an id")
-                previous.ids.add(rid)
-                previous.outcomes[outcome] += 1
+                started = record.get("body_started")
+                previous.ids[rid] = (outcome, started if isinstance(started, bool) else None)
         size = os.fstat(self._fd).st_size
         if size > end:
             os.ftruncate(self._fd, end)

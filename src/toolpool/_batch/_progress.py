@@ -125,6 +125,14 @@ def print_summary(summary: Summary, stream: IO[str]) -> None:
     facts = [
         f"{summary.lines:,} lines read, {summary.skipped:,} skipped (recorded earlier)",
         f"{summary.retries:,} retries",
+    ]
+    if summary.rerun:
+        facts.append(f"{summary.rerun:,} recorded calls run again (--rerun)")
+    if summary.rejected_before:
+        facts.append(
+            f"{summary.rejected_before:,} lines rejected again (recorded earlier: not twice)"
+        )
+    facts += [
         f"{summary.elapsed_s:.1f}s, {summary.calls_per_s:,.0f} calls/s",
         f"peak RSS {summary.peak_rss_mib:.0f} MiB",
     ]

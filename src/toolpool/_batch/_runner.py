@@ -8,8 +8,11 @@ behind a slow one is picked up within :data:`TICK` seconds (then every call is l
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
+import stat
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -19,12 +22,13 @@ from typing import Any, BinaryIO, Final, final
 import anyio
 import anyio.abc
 import anyio.lowlevel
+import anyio.to_thread
 
 from .._interrupts import EXIT_INTERRUPTED
 from ..core import DEFAULT_GRACES, Graces, Outcome, ToolpoolError, UnknownToolError
 from ..sandbox import Profile
 from ..supervisor import Call, Group, Pool
-from ._input import SKIPPED, Job, Rejection, count_lines, read_jobs
+from ._input import SKIPPED, Job, PipeLines, Rejection, count_lines, read_jobs
 from ._output import ResultsFile, call_record, rejection_record
 
 __all__ = ("EXIT_INTERRUPTED", "TICK", "Batch", "BatchOptions", "Summary")
@@ -67,6 +71,9 @@ class BatchOptions:
     """Extra runs for a call that ends ``worker_lost`` or ``killed``: always when its body
     never started, with ``idempotent`` also when it did (or may have)."""
     idempotent: bool = False
+    rerun: frozenset[str] = frozenset()
+    """Outcomes whose records a resumed run forgets, so that their calls run again (where
+    a body started, only with ``idempotent``)."""
     cancel_grace: float = DEFAULT_GRACES.cancel
     term_grace: float = DEFAULT_GRACES.term
 
@@ -85,6 +92,10 @@ class Summary:
     """Records this run wrote, by outcome (``rejected`` for rejected lines)."""
     skipped: int = 0
     """Lines whose id a previous run recorded."""
+    rerun: int = 0
+    """Records of earlier runs forgotten by ``--rerun``: their calls run again."""
+    rejected_before: int = 0
+    """Lines rejected again: an earlier run recorded their rejection (not written twice)."""
     previous: Counter[str] = field(default_factory=Counter)
     """The records of previous runs, by outcome."""
     retries: int = 0
@@ -121,7 +132,7 @@ class Summary:
         if self.interrupted:
             return EXIT_INTERRUPTED
         not_ok = {k: v for k, v in (self.recorded + self.previous).items() if k != "ok"}
-        return 1 if not_ok or self.error else 0
+        return 1 if not_ok or self.rejected_before or self.error else 0
 
     def as_json(self) -> dict[str, Any]:
         """The summary as one JSON object."""
@@ -132,7 +143,9 @@ class Summary:
             "lines": self.lines,
             "recorded": dict(self.recorded),
             "rejected": self.rejected,
+            "rejected_before": self.rejected_before,
             "skipped": self.skipped,
+            "rerun": self.rerun,
             "previous": dict(self.previous),
             "retries": self.retries,
             "not_recorded": self.not_recorded,
@@ -177,6 +190,8 @@ class Batch:
         self._say = say
         self._watcher = watcher or Watcher()
         self._pool: Pool | None = None
+        self._results: ResultsFile | None = None
+        self._pipe: PipeLines | None = None
         self._pending: dict[Call, Job] = {}
         self._groups: dict[str, list[Any]] = {}  # name -> [Group, calls of it in flight]
         self._stopping = False
@@ -185,7 +200,7 @@ class Batch:
         self._out: list[bytes] = []
         self._outcomes: list[str] = []
         self._started_at = 0.0
-        self._known_rejections: set[tuple[int, str]] = set()
+        self._known_rejections: set[tuple[int, Any]] = set()
         self._timeouts = options.timeout is not None
         """Whether a call with a timeout was submitted (or will be: --timeout)."""
 
@@ -214,18 +229,22 @@ class Batch:
     async def run(self) -> Summary:
         """Run the batch to its end (or its interruption); the summary."""
         options = self.options
+        # Everything is checked before the results file is created: a new one only once the
+        # pool is up (its tools load); an existing one is read (and --rerun checked) first.
         stream = _open_input(options.input)
         try:
-            results = ResultsFile(options.output, say=self._say)
+            if os.path.lexists(options.output):  # noqa: ASYNC240 (one lstat)
+                self._results = self._open_results()
+            else:
+                _check_creatable(options.output)
+            self.summary.total = None if options.input == "-" else count_lines(options.input)
             try:
-                self.summary.previous = results.previous.outcomes
-                self.summary.total = count_lines(options.input)
                 failure: list[Exception] = []
                 with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._watch_signals, signals)
                         try:
-                            await self._run_pool(stream, results, tg)
+                            await self._run_pool(stream, tg)
                         except Exception as exc:  # kept out of the task group's exception group
                             failure.append(exc)
                         finally:
@@ -233,17 +252,32 @@ class Batch:
                 if failure:
                     raise failure[0]
             finally:
-                results.close()
+                if self._results is not None:
+                    self._results.close()
         finally:
-            stream.close()
+            if stream is not sys.stdin.buffer:
+                stream.close()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self.summary.peak_rss_mib = usage.ru_maxrss / 1024
         self.summary.interrupted = self._interrupts > 0
         return self.summary
 
-    async def _run_pool(
-        self, stream: BinaryIO, results: ResultsFile, tg: anyio.abc.TaskGroup
-    ) -> None:
+    def _open_results(self) -> ResultsFile:
+        """Open (or create) the results file; forget the records ``--rerun`` names."""
+        results = ResultsFile(self.options.output, say=self._say)
+        try:
+            rerun = self.options.rerun
+            if rerun:
+                self.summary.rerun = results.previous.rerun(
+                    rerun, idempotent=self.options.idempotent
+                )
+        except BaseException:
+            results.close()
+            raise
+        self.summary.previous = results.previous.outcomes
+        return results
+
+    async def _run_pool(self, stream: BinaryIO, tg: anyio.abc.TaskGroup) -> None:
         options = self.options
         async with Pool(
             options.tools,
@@ -253,11 +287,19 @@ class Batch:
             term_grace=options.term_grace,
         ) as pool:
             self._pool = pool
-            self._known_rejections = results.previous.rejections
             if self._stopping:
                 return  # interrupted while the workers started
+            if self._results is None:
+                self._results = self._open_results()
+            results = self._results
+            self._known_rejections = results.previous.rejections
+            lines: BinaryIO | PipeLines = stream
+            if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
+                # (A pipe, a terminal: read by a thread, never blocking the event loop.)
+                self._pipe = lines = PipeLines(stream)
+                tg.start_soon(self._read_pipe, self._pipe)
             jobs = read_jobs(
-                stream,
+                lines,
                 tools=pool.catalog,
                 recorded=results.previous.ids,
                 default_timeout=options.timeout,
@@ -301,11 +343,13 @@ class Batch:
             # (skipped, rejected) must not keep the signals and the progress waiting, nor
             # pile up records unwritten.
             budget = READ_AT_ONCE
+            pipe = self._pipe
             while (
                 more
                 and not self._stopping
                 and len(pending) < (window if self._timeouts else MAX_WINDOW)
                 and budget
+                and (pipe is None or pipe.ready())
             ):
                 budget -= 1
                 item = next(jobs, None)
@@ -325,7 +369,10 @@ class Batch:
             if not pending:
                 if not more or self._stopping:
                     break
-                await anyio.lowlevel.checkpoint()
+                if pipe is not None:
+                    await pipe.wait()  # (a line, the end, or a stop: _stop wakes it)
+                else:
+                    await anyio.lowlevel.checkpoint()
                 continue
             head = next(iter(pending))
             everything = False
@@ -410,10 +457,13 @@ class Batch:
             and not self._stopping
             and job.attempts <= self.options.retries
             and (result.body_started is False or self.options.idempotent)
-            and self._submit(pool, job)  # (False: the pool broke; this result is the record)
         ):
-            self.summary.retries += 1
-            return
+            queued, ran = job.queued, job.ran
+            job.count_run(result)  # (this run's times count in the record)
+            if self._submit(pool, job):
+                self.summary.retries += 1
+                return
+            job.queued, job.ran = queued, ran  # (the pool broke: this result is the record)
         self._release(job)
         if self._stopping and outcome in UNSTARTED_BY_STOP and result.body_started is False:
             self.summary.not_recorded += 1
@@ -423,8 +473,8 @@ class Batch:
         self._outcomes.append(recorded)
 
     def _reject(self, rejection: Rejection) -> None:
-        if (rejection.line, rejection.reason) in self._known_rejections:
-            self.summary.recorded["rejected"] += 1  # recorded by an earlier run
+        if (rejection.line, rejection.id) in self._known_rejections:
+            self.summary.rejected_before += 1  # recorded by an earlier run: not again
             return
         self._out.append(rejection_record(rejection))
         self._outcomes.append("rejected")
@@ -472,11 +522,19 @@ class Batch:
     def _stop(self) -> None:
         """Stop reading; cancel every call in flight (cause ``user``), group by group."""
         self._stopping = True
+        if self._pipe is not None:
+            self._pipe.wake()
         for group, _ in list(self._groups.values()):
             group.cancel()
         for call, job in list(self._pending.items()):
             if job.group is None:
                 call.cancel()
+
+    @staticmethod
+    async def _read_pipe(pipe: PipeLines) -> None:
+        # (Abandoned when the batch ends first: the thread ends with the input, or the
+        # process.)
+        await anyio.to_thread.run_sync(pipe.read, abandon_on_cancel=True)
 
     # ------------------------------------------------------------------ progress
 
@@ -492,9 +550,22 @@ class Batch:
 
 
 def _open_input(path: str) -> BinaryIO:
-    """The input, opened for reading. It is read in the event loop, a line at a time when a
-    call can be submitted: a file's lines are at hand; a pipe's writer must keep up."""
+    """The input, opened for reading (``-``: standard input). A regular file is read in the
+    event loop, a line at a time when a call can be submitted (its lines are at hand); any
+    other input by a thread (:class:`PipeLines`), so that a silent writer blocks nothing."""
+    if path == "-":
+        return sys.stdin.buffer
     try:
         return open(path, "rb")
     except OSError as exc:
         raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _check_creatable(path: str) -> None:
+    """A results file can be created at ``path`` (its directory is there and writable):
+    said before the pool starts, and without creating it."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(f"cannot create {path}: no directory {directory}")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot create {path}: {directory} is not writable")

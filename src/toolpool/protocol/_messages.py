@@ -393,7 +393,9 @@ def _unpack(frame: bytes, max_len: int) -> Any:
     except ProtocolViolation:
         raise
     except Exception as exc:  # msgpack raises many types: ExtraData, StackError, ValueError...
-        raise ProtocolViolation(f"undecodable frame: {type(exc).__name__}: {exc}") from None
+        # (msgpack's FormatError has no message: say what it means.)
+        why = str(exc) or "not msgpack (a byte no msgpack value starts with)"
+        raise ProtocolViolation(f"undecodable frame: {type(exc).__name__}: {why}") from None
 
 
 def _reject_ext(code: int, data: bytes) -> Any:

@@ -173,7 +173,8 @@ class Reaper:
             self.template.load([str(p) for p in msg.get("paths", [])])
             self.send(ev="preloaded", error=self.template.error)
         elif op == "own":
-            self.owned.extend(str(p) for p in msg.get("paths", []))
+            # (Sent again as providers come: each directory once, or its removal is too.)
+            self.owned.extend(p for p in map(str, msg.get("paths", [])) if p not in self.owned)
         elif op == "exit":
             self.closing = True
             self.exit_budget = float(msg.get("cleanup_budget", EXIT_CLEANUP_BUDGET))
@@ -564,6 +565,8 @@ class Reaper:
         # If the supervisor died, nobody else will remove the pool's directories.
         dirs = []
         for path in reversed(self.owned):
+            if not os.path.lexists(path):
+                continue  # removed already (an empty cgroup, say): nothing to remove or say
             if os.path.exists(os.path.join(path, "cgroup.procs")):
                 cgroups.remove(path)
             else:

@@ -8,16 +8,45 @@ import os
 import shutil
 import signal
 import tempfile
+import textwrap
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import psutil
 
 from ..core import Outcome
 from .hostile import CONTENT_OPS, NAME_OPS, registry
+
+Status = Literal["held", "not held", "not run", "FAILED"]
+"""What a kit row says about its threat:
+
+- ``held``: the threat was stopped; ``caught_by`` names what stopped it, from what was observed;
+- ``not held``: it went through, as expected under this profile (``expected`` says why);
+- ``not run``: the check could not be made (``observed`` says why);
+- ``FAILED``: it went through, or harmed the pool, though the profile's layers claim to stop it.
+"""
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """A check's answer: the row's status, what the profile leads one to expect, and what
+    stopped the threat (``"-"`` where nothing did)."""
+
+    status: Status
+    expected: str
+    caught_by: str
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a check judges a result against: the layers active in the pool's workers and
+    the profile they run under."""
+
+    layers: frozenset[str]
+    profile: Any
 
 
 @dataclass(frozen=True)
@@ -27,13 +56,19 @@ class Verdict:
     threat: str
     expected: str
     observed: str
-    passed: bool
+    status: Status
     caught_by: str
     leftovers: list[int]
 
+    @property
+    def passed(self) -> bool:
+        """Not ``FAILED``: the threat was held, or went through where the profile says it
+        would, or could not be run."""
+        return self.status != "FAILED"
 
-Check = Callable[[Any, set[str]], tuple[bool, str, str]]
-"""``check(result, active_layers) -> (passed, expected, caught_by)``."""
+
+Check = Callable[[Any, Setting], Judgement]
+"""``check(result, setting) -> Judgement``."""
 
 
 @dataclass(frozen=True)
@@ -59,65 +94,121 @@ class Observed:
 Runner = Callable[[Any, Threat, str], Awaitable[Observed]]
 
 
+def _held(ok: bool, expected: str, by: str) -> Judgement:
+    """Held by ``by`` if ``ok``; else the threat went through what claims to stop it."""
+    return Judgement("held" if ok else "FAILED", expected, by if ok else "-")
+
+
 def _outcome(*allowed: Outcome, by: str) -> Check:
-    def check(result: Any, layers: set[str]) -> tuple[bool, str, str]:
-        return result.outcome in allowed, "/".join(o.value for o in allowed), by
+    def check(result: Any, setting: Setting) -> Judgement:
+        return _held(result.outcome in allowed, "/".join(o.value for o in allowed), by)
 
     return check
 
 
-def _fork_bomb(result: Any, layers: set[str]) -> tuple[bool, str, str]:
-    if "cgroup_memory" in layers:
+def _fork_bomb(result: Any, setting: Setting) -> Judgement:
+    if "cgroup_memory" in setting.layers:
         # Each child is a Python interpreter: the tree can hit the memory cap before the
         # pids cap stops the forking, and the OOM killer takes the worker (worker_lost).
         ok = result.outcome in (Outcome.KILLED, Outcome.WORKER_LOST)
-        return ok, "killed, or worker_lost (OOM)", "cgroup_pids/cgroup_memory + kill barrier"
-    by = "cgroup_pids + kill barrier" if "cgroup_pids" in layers else "kill loop (bounded bomb)"
-    return result.outcome is Outcome.KILLED, "killed", by
+        return _held(ok, "killed, or worker_lost (OOM)", "cgroup_pids/cgroup_memory + kill barrier")
+    if "cgroup_pids" in setting.layers:
+        return _held(result.outcome is Outcome.KILLED, "killed", "cgroup_pids + kill barrier")
+    if result.outcome is not Outcome.KILLED:
+        return Judgement("FAILED", "killed", "-")
+    # Nothing capped the forking: the bomb stopped at its own bound, the kill loop reaped it.
+    return Judgement("not held", "forks unchecked (no pids cap); the kill loop reaps the tree", "-")
 
 
-def _memory(result: Any, layers: set[str]) -> tuple[bool, str, str]:
-    if "cgroup_memory" in layers:
+def _memory(result: Any, setting: Setting) -> Judgement:
+    if "cgroup_memory" in setting.layers:
         ok = result.outcome is Outcome.WORKER_LOST and result.exit_signal == signal.SIGKILL
         ok = ok and "out of memory" in (result.error or "")
-        return ok, "worker_lost (OOM-killed)", "cgroup_memory"
-    return (
-        result.outcome is Outcome.KILLED,
-        "killed (no memory cap: the tool stops at 1 GiB)",
-        ("timeout + kill"),
+        return _held(ok, "worker_lost (OOM-killed)", "cgroup_memory")
+    if result.outcome is not Outcome.KILLED:
+        return Judgement("FAILED", "killed", "-")
+    return Judgement(
+        "not held", "allocates unchecked (no memory cap: the tool stops at 1 GiB)", "-"
     )
 
 
-def _signals(result: Any, layers: set[str]) -> tuple[bool, str, str]:
-    value = result.value or {}
+def _fd_exhaustion(result: Any, setting: Setting) -> Judgement:
+    """What stopped the tool is the open-file limit it reported (EMFILE at ``limit``): the
+    profile's, or one the worker inherited."""
+    value = result.value if result.ok and isinstance(result.value, dict) else {}
+    limit, ours = value.get("limit"), setting.profile.max_open_files
+    if not result.ok or not value.get("emfile"):
+        if result.ok and ours is None:  # no limit below the tool's own bound of opens
+            return Judgement("not held", "opens unchecked (no open-file limit)", "-")
+        return Judgement("FAILED", "EMFILE, the worker serves on", "-")
+    if ours is not None and isinstance(limit, int) and limit <= ours:
+        # (Below the profile's where the hard limit it inherited is lower: stricter still.)
+        return Judgement("held", "EMFILE, the worker serves on", f"RLIMIT_NOFILE={limit}")
+    if ours is not None:  # the profile's limit is not what the worker ran under
+        return Judgement("FAILED", f"EMFILE at the profile's RLIMIT_NOFILE={ours}", "-")
+    return Judgement(
+        "held",
+        "EMFILE at the inherited limit (the profile sets none)",
+        f"RLIMIT_NOFILE={limit} (inherited)",
+    )
+
+
+def _signal_guards(setting: Setting) -> list[str]:
     pairs = (("uid", "uid"), ("landlock", "landlock (signal scope)"))
-    by = [name for layer, name in pairs if layer in layers]
+    return [name for layer, name in pairs if layer in setting.layers]
+
+
+def _signals(result: Any, setting: Setting) -> Judgement:
+    """The reaper and the supervisor: signals from a tool are blocked by another uid or
+    Landlock's signal scope; with neither, they are delivered (not contained)."""
+    value = result.value if result.ok and isinstance(result.value, dict) else {}
+    seen = [value.get(k) for k in ("reaper", "supervisor")]
+    by = _signal_guards(setting)
     if by:
-        ok = result.ok and all(value.get(k) == "blocked" for k in ("reaper", "supervisor"))
-        ok = ok and value.get("sibling") in ("blocked", "none")
-        return ok, "all blocked", " + ".join(by)
-    return result.ok, "delivered (not contained without Landlock or another uid)", "none"
+        return _held(seen == ["blocked", "blocked"], "both blocked", " + ".join(by))
+    if result.ok and all(v in ("blocked", "delivered") for v in seen):
+        return Judgement("not held", "delivered (no Landlock, no uid of its own)", "-")
+    return Judgement("FAILED", "delivered or blocked, reported", "-")
 
 
-def _network(result: Any, layers: set[str]) -> tuple[bool, str, str]:
-    if "netns" in layers:
-        return result.ok and result.value == "ENETUNREACH", "ENETUNREACH", "netns"
-    return result.ok, "reachable (network allowed)", "none"
+def _sibling(result: Any, setting: Setting) -> Judgement:
+    """A sibling worker: as :func:`_signals`; ``not run`` where no other worker was up."""
+    if isinstance(result, Observed):
+        if not result.facts.get("ran"):
+            return Judgement("not run", "a second worker to signal", "-")
+        result = result.facts["result"]
+    seen = (result.value or {}).get("sibling") if result.ok else None
+    if seen in ("none", "gone"):
+        return Judgement("not run", "a second worker to signal", "-")
+    by = _signal_guards(setting)
+    if by:
+        return _held(seen == "blocked", "blocked", " + ".join(by))
+    if seen in ("blocked", "delivered"):
+        return Judgement("not held", "delivered (no Landlock, no uid of its own)", "-")
+    return Judgement("FAILED", "delivered or blocked, reported", "-")
 
 
-def _cgroup_escape(result: Any, layers: set[str]) -> tuple[bool, str, str]:
-    by = " + ".join(layer for layer in ("uid", "landlock") if layer in layers)
-    return result.outcome is Outcome.KILLED, "killed, tree gone", by or "subreaper kill loop"
+def _network(result: Any, setting: Setting) -> Judgement:
+    if "netns" in setting.layers:
+        return _held(result.ok and result.value == "ENETUNREACH", "ENETUNREACH", "netns")
+    if result.ok:
+        return Judgement("not held", "reachable (the profile allows the network)", "-")
+    return Judgement("FAILED", "reachable or not, reported", "-")
 
 
-def _segfault(result: Any, layers: set[str]) -> tuple[bool, str, str]:
+def _cgroup_escape(result: Any, setting: Setting) -> Judgement:
+    by = " + ".join(layer for layer in ("uid", "landlock") if layer in setting.layers)
+    return _held(result.outcome is Outcome.KILLED, "killed, tree gone", by or "subreaper kill loop")
+
+
+def _segfault(result: Any, setting: Setting) -> Judgement:
     ok = result.outcome is Outcome.WORKER_LOST and result.exit_signal == signal.SIGSEGV
-    return ok, "worker_lost (SIGSEGV)", "process boundary"
+    return _held(ok, "worker_lost (SIGSEGV)", "process boundary")
 
 
-def _daemon(result: Any, layers: set[str]) -> tuple[bool, str, str]:
+def _daemon(result: Any, setting: Setting) -> Judgement:
     ok = result.ok and result.leftovers_killed >= 1
-    return ok, "ok, leftovers killed", "subreaper + leftover clean-up"
+    return _held(ok, "ok, leftovers killed", "subreaper + leftover clean-up")
 
 
 async def _wait_pid_exit(pid: int, timeout: float) -> bool:
@@ -251,9 +342,9 @@ async def _litter_then_close(pool: Any, threat: Threat, marker: str) -> Observed
     return Observed(text + (f"; FAILED: {', '.join(bad)}" if bad else ""), facts)
 
 
-def _facts(result: Any, layers: set[str]) -> tuple[bool, str, str]:
+def _facts(result: Any, setting: Setting) -> Judgement:
     ok = all(result.facts.values())
-    return ok, "reaper and bystander unharmed, tree removed", "bounded remover"
+    return _held(ok, "reaper and bystander unharmed, tree removed", "bounded remover")
 
 
 def _xattrs(path: str) -> dict[str, bytes]:
@@ -328,20 +419,25 @@ async def _metadata_outside(pool: Any, threat: Threat, marker: str) -> Observed:
     )
 
 
-def _metadata(result: Any, layers: set[str]) -> tuple[bool, str, str]:
-    facts = result.facts
+def _metadata(result: Any, setting: Setting) -> Judgement:
+    facts, layers = result.facts, setting.layers
     if not facts["ok"]:
-        return False, "a report of each attempt", "-"
+        return Judgement("FAILED", "a report of each attempt", "-")
     through, changed = set(facts["through"]), facts["changed"]
     if "readonly_fs" in layers:
         by = "readonly_fs" + (" + landlock" if "landlock" in layers else "")
-        return not through and not changed, "every change refused (EROFS)", by
+        return _held(not through and not changed, "every change refused (EROFS)", by)
     if "landlock" in layers:
         # Landlock's rights cover content and names, not metadata.
         ok = not through & {*CONTENT_OPS, *NAME_OPS}
         ok = ok and "content" not in changed and set(changed) <= {".", "file"}
-        return ok, "content and names refused; metadata not contained", "landlock"
-    return True, "not contained (no read-only mounts, no Landlock)", "none"
+        expected = "content and names refused; metadata not contained"
+        if not ok:
+            return Judgement("FAILED", expected, "-")
+        if through or changed:  # (metadata went through, as Landlock lets it)
+            return Judgement("not held", expected, "landlock")
+        return Judgement("held", expected, "landlock")
+    return Judgement("not held", "changed (no read-only mounts, no Landlock)", "-")
 
 
 async def _non_string_key(pool: Any, threat: Threat, marker: str) -> Observed:
@@ -349,15 +445,39 @@ async def _non_string_key(pool: Any, threat: Threat, marker: str) -> Observed:
     try:
         call = pool.submit(threat.tool, threat.args)
     except TypeError as exc:
-        return Observed(f"TypeError at submit: {exc}"[:120], {"error": str(exc)})
+        return Observed(f"TypeError at submit: {exc}", {"error": str(exc)})
     result = await call
-    return Observed(f"accepted: {result.outcome.value} {result.error}"[:120], {"error": None})
+    return Observed(f"accepted: {result.outcome.value} {result.error}", {"error": None})
 
 
-def _key_error(result: Any, layers: set[str]) -> tuple[bool, str, str]:
+def _ready_pids(pool: Any) -> list[int]:
+    return [w.pid for w in pool._core.live_workers() if w.answered and w.pid is not None]
+
+
+async def _signal_sibling(pool: Any, threat: Threat, marker: str) -> Observed:
+    """Signal a sibling worker: a second worker must be up (the one an earlier threat killed
+    may still be starting), so wait for it; with none, the check is not run."""
+    with anyio.move_on_after(60):
+        while len(_ready_pids(pool)) < 2 <= len(pool._core.live_workers()):
+            await pool._wait_changed()
+    pids = _ready_pids(pool)
+    if len(pids) < 2:
+        return Observed(f"not run: {len(pids)} worker(s) up, no sibling", {"ran": False})
+    result = await pool.call(threat.tool, {"workers": pids})
+    sibling = (result.value or {}).get("sibling") if result.ok else None
+    if sibling in ("none", "gone"):
+        text = "not run: the other worker was gone"
+    elif result.ok:
+        text = f"sibling: {sibling}"
+    else:
+        text = f"{result.outcome.value}: {result.error}"
+    return Observed(text, {"ran": True, "result": result})
+
+
+def _key_error(result: Any, setting: Setting) -> Judgement:
     error = result.facts["error"] or ""
     ok = "args['value'] has a key that is not a string: 1" in error
-    return ok, "TypeError at submit naming the key", "pack_value (submit)"
+    return _held(ok, "TypeError at submit naming the key", "pack_value (submit)")
 
 
 THREATS: tuple[Threat, ...] = (
@@ -380,7 +500,7 @@ THREATS: tuple[Threat, ...] = (
         _outcome(Outcome.KILLED, by="SIGKILL rung"),
     ),
     Threat("setsid double-fork daemon", "daemon", {}, "call", _daemon),
-    Threat("fd exhaustion", "fd_exhaustion", {}, "call", _outcome(Outcome.OK, by="RLIMIT_NOFILE")),
+    Threat("fd exhaustion", "fd_exhaustion", {}, "call", _fd_exhaustion),
     Threat(
         "output flood",
         "output_flood",
@@ -404,7 +524,8 @@ THREATS: tuple[Threat, ...] = (
         "call",
         _outcome(Outcome.WORKER_LOST, by="process boundary"),
     ),
-    Threat("signals the supervisor or a sibling", "signal_others", {}, "call", _signals),
+    Threat("signals the reaper or the supervisor", "signal_others", {}, "call", _signals),
+    Threat("signals a sibling worker", "signal_others", {}, "run", _sibling, _signal_sibling),
     Threat("reaches the network", "reach_network", {}, "call", _network),
     Threat("leaves its cgroup", "leave_cgroup", {}, "timeout:1.5", _cgroup_escape),
     Threat(
@@ -470,7 +591,8 @@ def marker_processes(marker: str) -> list[int]:
     return found
 
 
-#: The longest value text a verdict shows; beyond it, an ellipsis ends the text.
+#: The longest value text a verdict shows; beyond it, the text ends at a word and an
+#: ellipsis says so.
 _OBSERVED_MAX = 200
 
 
@@ -479,8 +601,6 @@ async def run_threat(pool: Any, threat: Threat, marker: str) -> Verdict:
     args = dict(threat.args)
     if "marker" in registry.tools[threat.tool].signature.json_schema()["properties"]:
         args["marker"] = marker
-    if threat.tool == "signal_others":
-        args["workers"] = list(pool.worker_pids)
     timeout = None
     if threat.action.startswith("timeout:"):
         timeout = float(threat.action.split(":", 1)[1])
@@ -494,25 +614,29 @@ async def run_threat(pool: Any, threat: Threat, marker: str) -> Verdict:
             call.cancel()
         result = await call
     leftovers = marker_processes(marker)
-    active = {layer.name for layer in pool.containment().layers if layer.active}
-    passed, expected, caught_by = threat.check(result, active)
+    active = frozenset(layer.name for layer in pool.containment().layers if layer.active)
+    judged = threat.check(result, Setting(active, pool.profile))
+    status, caught_by = judged.status, judged.caught_by
     if isinstance(result, Observed):
         observed = result.text
     else:
         observed = result.outcome.value
         if result.ok and result.value is not None:
-            shown = repr(result.value)
-            if len(shown) > _OBSERVED_MAX:  # said so: never cut off silently
-                shown = shown[: _OBSERVED_MAX - 1] + "\N{HORIZONTAL ELLIPSIS}"
+            # Said so, and at a word: never cut off silently, nor mid-word.
+            shown = textwrap.shorten(
+                repr(result.value), _OBSERVED_MAX, placeholder=" \N{HORIZONTAL ELLIPSIS}"
+            )
             observed += f" {shown}"
     after = await pool.call("cooperative", {"seconds": 0.0})
+    harmed = []
     if not after.ok:
-        passed = False
-        observed += f"; next call {after.outcome.value}"
+        harmed.append(f"next call {after.outcome.value}")
     if leftovers:
-        passed = False
-        observed += f"; {len(leftovers)} process(es) survived"
-    return Verdict(threat.name, expected, observed, passed, caught_by, leftovers)
+        harmed.append(f"{len(leftovers)} process(es) survived")
+    if harmed:  # whatever the profile: the pool must serve on and leave nothing behind
+        status, caught_by = "FAILED", "-"
+        observed += "; " + "; ".join(harmed)
+    return Verdict(threat.name, judged.expected, observed, status, caught_by, leftovers)
 
 
 async def run_kit(pool: Any, *, only: list[str] | None = None) -> list[Verdict]:

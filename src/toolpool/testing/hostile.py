@@ -30,7 +30,7 @@ import psutil
 
 from ..worker import Registry, ToolExecution
 
-__all__ = ("THREATS", "Threat", "Verdict", "registry", "run_kit")
+__all__ = ("THREATS", "Judgement", "Setting", "Status", "Threat", "Verdict", "registry", "run_kit")
 
 registry = Registry()
 
@@ -107,19 +107,24 @@ def daemon(marker: str) -> str:
 
 
 @registry.tool
-def fd_exhaustion(cap: int = 100_000) -> int:
-    """Open files until the process runs out of descriptors (EMFILE), then return the count."""
+def fd_exhaustion(cap: int = 100_000) -> dict[str, Any]:
+    """Open files until the process runs out of descriptors (EMFILE) or ``cap`` are open;
+    return how many it opened, whether EMFILE stopped it, and the soft ``RLIMIT_NOFILE`` it
+    ran under (what stopped it)."""
     files = []
+    emfile = False
     try:
         for _ in range(cap):
             files.append(os.open(os.devnull, os.O_RDONLY))
     except OSError as exc:
         if exc.errno != errno.EMFILE:
             raise
+        emfile = True
     finally:
         for fd in files:
             os.close(fd)
-    return len(files)
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return {"opened": len(files), "emfile": emfile, "limit": limit}
 
 
 @registry.tool
@@ -175,18 +180,17 @@ def _try_signal(pid: int | None) -> str:
 
 @registry.tool
 def signal_others(workers: list[int] | None = None) -> dict[str, str]:
-    """Try to signal the reaper, the supervisor and a sibling worker (with harmless SIGURG)."""
-    sibling = next((pid for pid in workers or [] if pid != os.getpid()), None)
+    """Try to signal the reaper, the supervisor and (given the pool's ``workers``) a sibling
+    worker, with harmless SIGURG; ``"none"`` where there was no sibling to signal."""
     reaper = os.getppid()
     try:
         supervisor: int | None = psutil.Process(reaper).ppid()
     except psutil.Error:
         supervisor = None
-    return {
-        "reaper": _try_signal(reaper),
-        "supervisor": _try_signal(supervisor),
-        "sibling": _try_signal(sibling),
-    }
+    tried = {"reaper": _try_signal(reaper), "supervisor": _try_signal(supervisor)}
+    if workers is not None:
+        tried["sibling"] = _try_signal(next((p for p in workers if p != os.getpid()), None))
+    return tried
 
 
 @registry.tool
@@ -431,7 +435,10 @@ def allocate(mib: int) -> int:
 
 # The kit, beside the tools it runs (imported last: it uses the names above).
 from ._kit import THREATS as THREATS  # noqa: E402
+from ._kit import Judgement as Judgement  # noqa: E402
 from ._kit import Observed as Observed  # noqa: E402
+from ._kit import Setting as Setting  # noqa: E402
+from ._kit import Status as Status  # noqa: E402
 from ._kit import Threat as Threat  # noqa: E402
 from ._kit import Verdict as Verdict  # noqa: E402
 from ._kit import _wait_pid_exit as _wait_pid_exit  # noqa: E402

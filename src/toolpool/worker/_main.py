@@ -140,7 +140,14 @@ def load_registry(spec: str) -> Registry:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"tools spec {spec!r} is not of the form 'module:attribute'")
-    obj: Any = importlib.import_module(module_name)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError:
+        raise
+    except Exception as exc:  # (a SyntaxError too): one line that says where, the cause chained
+        raise ImportError(
+            f"importing {module_name!r} (tools spec {spec!r}) raised {type(exc).__name__}: {exc}"
+        ) from exc
     for n, part in enumerate(attr.split(".")):
         try:
             obj = getattr(obj, part)
@@ -151,7 +158,9 @@ def load_registry(spec: str) -> Registry:
     if callable(obj) and not isinstance(obj, Registry):
         obj = obj()
     if not isinstance(obj, Registry):
-        raise TypeError(f"{spec!r} is a {type(obj).__name__}, not a toolpool.Registry")
+        kind = type(obj).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        raise TypeError(f"{spec!r} is {article} {kind}, not a toolpool.Registry")
     return obj
 
 

@@ -231,9 +231,24 @@ class Dispatch:
             w.provider.ready.remove(w)
         w.advance(_RETIRING)
         w.retired = True
+        w.retire_reason = self._retire_reason(w)
         for call in w.calls:
             call._recalling = True
         self.send(w, encode(Shutdown()))
+
+    def _retire_reason(self, w: WorkerRecord) -> str:
+        """Why w is told to exit, in words: what the pool or its provider is doing."""
+        p = w.provider
+        if self.s.closing:
+            return "the pool is closing"
+        if p.state is ProviderState.DRAINING:
+            return f"provider {p.name!r} was {p.reason or 'removed'}"
+        if p.state is ProviderState.FAILED:
+            why = f": {type(p.error).__name__}: {p.error}" if p.error is not None else ""
+            return f"the start of provider {p.name!r} was rolled back{why}"
+        if w.draining:
+            return f"provider {p.name!r} was shrunk"
+        return "told to exit"
 
     def send(self, w: WorkerRecord, frame: bytes) -> None:
         """Send a control frame to w (if it is gone, nobody reads it: nothing is lost)."""

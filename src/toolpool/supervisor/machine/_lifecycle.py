@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import signal
 from typing import Any, Final
 
 from ...core import WorkerStartError
@@ -502,7 +503,16 @@ class Lifecycle:
             or describe_exit(w.exit_status, w.disconnected, w.oom_kills, w.provider.spec.memory_cap)
         )
         extra = {"worker_pid": w.pid, "exit_status": w.exit_status, "why": why}
-        if retired or w.start_failed:
+        if w.retired and w.violation is None and not w.escalated:
+            # On purpose: the reason is the pool's, and a connection that dropped as it
+            # exited (and the kill that follows, to be sure) is no sign of anything.
+            how = describe_exit(w.exit_status)
+            if w.disconnected and w.exit_status == -signal.SIGKILL:
+                how = "its connection dropped as it exited; its tree was killed to be sure"
+            why = f"retired ({w.retire_reason}); {how}"
+            extra["why"] = why
+            _log.debug("worker %s (pid %s) %s", w.wid, w.pid, why, extra=extra)
+        elif retired or w.start_failed:
             _log.debug("worker %s (pid %s) exited: %s", w.wid, w.pid, why, extra=extra)
         elif w.escalated or self.s.closing:
             _log.info("worker %s (pid %s) is gone: %s", w.wid, w.pid, why, extra=extra)

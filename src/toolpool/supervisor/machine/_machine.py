@@ -205,10 +205,12 @@ class Machine:
         w = self.s.workers.get(wid)
         if w is not None and not w.gone:
             w.disconnected = True
-            _log.info(
-                "worker %s (pid %s): its connection dropped (dying, or an oversized frame)",
+            _log.log(
+                logging.DEBUG if w.retired else logging.INFO,
+                "worker %s (pid %s): its connection dropped (%s)",
                 wid,
                 w.pid,
+                "it exits, retired" if w.retired else "dying, or an oversized frame",
                 extra={"worker_pid": w.pid},
             )
             self.ladder.quarantine(w, None)

@@ -360,6 +360,7 @@ class WorkerRecord:
         "provider",
         "replaced",
         "results",
+        "retire_reason",
         "retired",
         "secret",
         "signals",
@@ -401,6 +402,7 @@ class WorkerRecord:
         self.disconnected = False
         self.draining = False  # it exits once its calls end (a shrink): none is sent to it
         self.retired = False  # it was told to exit (Shutdown)
+        self.retire_reason = ""  # why, in words (logged at DEBUG when it is gone)
         self.escalated = False
         self.awaiting_fatal = False
         self.gone_deferred = False  # its tree is gone, handled once its 'fatal' is read
