@@ -16,7 +16,7 @@ from ._errors import (
     WorkerLost,
     WorkerStartError,
 )
-from ._graces import DEFAULT_GRACES, Graces
+from ._graces import DEFAULT_GRACES, Graces, check_seconds
 from ._outcomes import (
     ABORT_ERROR_NAME,
     ABORTED_BEFORE_DISPATCH_TEXT,
@@ -60,6 +60,7 @@ __all__ = (
     "WorkerLost",
     "WorkerStartError",
     "cancel_with_runtime_cause",
+    "check_seconds",
     "fuse",
     "validate_cause",
 )

@@ -6,10 +6,12 @@ import math
 from dataclasses import dataclass
 from typing import Final, final
 
-__all__ = ("DEFAULT_GRACES", "Graces")
+__all__ = ("DEFAULT_GRACES", "Graces", "check_seconds")
 
 
-def _seconds(name: str, value: object, *, positive: bool = False) -> float:
+def check_seconds(name: str, value: object, *, positive: bool = False) -> float:
+    """``value`` as seconds, if it is a finite number at least 0 (``positive``: above 0);
+    else a ValueError that names it ``name``."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
@@ -18,7 +20,7 @@ def _seconds(name: str, value: object, *, positive: bool = False) -> float:
         or (positive and value == 0)
     ):
         what = "a positive" if positive else "a non-negative"
-        raise ValueError(f"Graces.{name} must be {what} number of seconds, got {value!r}")
+        raise ValueError(f"{name} must be {what} number of seconds, got {value!r}")
     return float(value)
 
 
@@ -46,8 +48,8 @@ class Graces:
 
     def __post_init__(self) -> None:
         for name in ("cancel", "term", "drain"):
-            object.__setattr__(self, name, _seconds(name, getattr(self, name)))
-        after = _seconds("unkillable_after", self.unkillable_after, positive=True)
+            object.__setattr__(self, name, check_seconds(f"Graces.{name}", getattr(self, name)))
+        after = check_seconds("Graces.unkillable_after", self.unkillable_after, positive=True)
         object.__setattr__(self, "unkillable_after", after)
 
     def ladder(self) -> str:

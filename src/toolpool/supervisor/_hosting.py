@@ -7,7 +7,6 @@ events for the listeners and waits, for the caller, until what it asked for hold
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -15,7 +14,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final
 
-from ..core import ConfigurationError, PoolClosedError, ToolConflictError, WorkerStartError
+from ..core import (
+    ConfigurationError,
+    PoolClosedError,
+    ToolConflictError,
+    WorkerStartError,
+    check_seconds,
+)
 from ..sandbox import Profile, parse_size
 from ..sandbox._cgroups import CgroupSet
 from ._containment import containment_report, supervisor_layers
@@ -93,18 +98,6 @@ def check_count(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         what = "a positive" if minimum == 1 else "a non-negative"
         raise ValueError(f"{name} must be {what} integer, got {value!r}")
-
-
-def check_seconds(name: str, value: object, *, positive: bool = False) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-        or (positive and value == 0)
-    ):
-        what = "a positive" if positive else "a non-negative"
-        raise ValueError(f"{name} must be {what} number of seconds, got {value!r}")
 
 
 def check_pool_options(
