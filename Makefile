@@ -38,11 +38,13 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/run.py $(if $(BASELINE),--baseline $(BASELINE))
 	$(PY) bench/batch.py --out bench/results/batch.json
+	$(PY) bench/serve.py --out bench/results/serve.json
 
 bench-smoke: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/run.py --smoke
 	$(PY) bench/batch.py --smoke
+	$(PY) bench/serve.py --smoke
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -293,7 +293,7 @@ def test_every_option_has_help_text() -> None:
         if not action.help and not isinstance(action, argparse._SubParsersAction)
     ]
     assert not missing
-    assert len(parsers(_parser())) == 8  # toolpool and its 7 commands
+    assert len(parsers(_parser())) == 14  # toolpool and its 13 commands
 
 
 @pytest.mark.timeout(90)

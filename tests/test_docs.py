@@ -104,6 +104,9 @@ def test_the_contract_has_every_clause_the_code_and_tests_cite() -> None:
 SKETCHES = {
     ("pool.md", 1): "a map over the reader's 'fetch' tool and 'urls'",
     ("providers.md", 0): "the reader's 'listener' and 'ops_tools' module",
+    ("eval.md", 0): "the reader's 'HumanEval' problems and 'samples'",
+    ("mcp.md", 1): "serves its client until it goes away; the reader's 'ops_tools' module",
+    ("service.md", 0): "a service the reader runs, and its 'token'",
 }
 
 #: Runs files as one reader's session, in order, in one namespace: a page's later blocks use
@@ -134,7 +137,11 @@ def _free_port() -> int:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "page",
-    [p for p in PAGES if _python_blocks(p.read_text())],
+    [  # (a page whose every block is a sketch has nothing to run)
+        p
+        for p in PAGES
+        if any((p.name, n) not in SKETCHES for n in range(len(_python_blocks(p.read_text()))))
+    ],
     ids=lambda p: p.name,
 )
 def test_every_python_snippet_a_user_can_run_runs(page: Path) -> None:
@@ -155,7 +162,6 @@ def test_every_python_snippet_a_user_can_run_runs(page: Path) -> None:
             block = block.replace("start_http_server(9100,", f"start_http_server({_free_port()},")
             (work / f"block{n}.py").write_text(block)
             files.append(f"block{n}.py")
-        assert files, "every block of the page is a sketch"
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         done = subprocess.run(

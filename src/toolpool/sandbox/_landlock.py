@@ -6,6 +6,7 @@ sandbox. Detected by trying the syscall: /sys/kernel/security need not be mounte
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 from typing import Any
@@ -35,6 +36,10 @@ _FS_WRITE_RIGHTS = {
 }
 _SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0
 _SCOPE_SIGNAL = 1 << 1
+# Reading rights (ABI 1): EXECUTE, READ_FILE, READ_DIR.
+_FS_READ_RIGHTS = (1 << 0) | (1 << 2) | (1 << 3)
+# Network rights (ABI 4): BIND_TCP, CONNECT_TCP.
+_NET_TCP = (1 << 0) | (1 << 1)
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -50,6 +55,7 @@ class _PathBeneathAttr(ctypes.Structure):
     _fields_ = (("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32))
 
 
+@functools.cache
 def _libc() -> Any:
     return ctypes.CDLL(None, use_errno=True)
 
@@ -70,10 +76,19 @@ def abi_version() -> int:
 _FILE_RIGHTS = (1 << 1) | (1 << 14)  # WRITE_FILE, TRUNCATE: what a rule on a file may grant
 
 
-def restrict(writable: list[str], writable_files: tuple[str, ...] = ("/dev/null",)) -> str:
+def restrict(
+    writable: list[str],
+    writable_files: tuple[str, ...] = ("/dev/null",),
+    *,
+    readable: list[str] | None = None,
+    tcp: bool = True,
+) -> str:
     """Restrict this process (and its future children) for good. Returns what was applied.
 
-    Raises :class:`OSError` where Landlock is unavailable or refuses.
+    ``readable`` None: everything may be read; a list: only what lies beneath those paths
+    (and ``writable``). ``tcp`` False: no TCP bind or connect (ABI 4+; below that, TCP is not
+    handled and the result says nothing of it). Raises :class:`OSError` where Landlock is
+    unavailable or refuses.
     """
     numbers = _numbers()
     abi = abi_version()
@@ -85,7 +100,9 @@ def restrict(writable: list[str], writable_files: tuple[str, ...] = ("/dev/null"
     for version, rights in _FS_WRITE_RIGHTS.items():
         if abi >= version:
             write_rights |= rights
-    attr = _RulesetAttr(write_rights, 0, 0)
+    handled = write_rights | (_FS_READ_RIGHTS if readable is not None else 0)
+    net = _NET_TCP if not tcp and abi >= 4 else 0
+    attr = _RulesetAttr(handled, net, 0)
     size = ctypes.sizeof(_RulesetAttr) if abi >= 6 else 16
     if abi >= 6:
         attr.scoped = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL
@@ -93,10 +110,12 @@ def restrict(writable: list[str], writable_files: tuple[str, ...] = ("/dev/null"
     if ruleset < 0:
         raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
     try:
-        for path in writable:
+        rules = [(path, handled) for path in writable]
+        rules += [(path, _FS_READ_RIGHTS) for path in readable or ()]
+        for path, rights in rules:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
             try:
-                rule = _PathBeneathAttr(write_rights, fd)
+                rule = _PathBeneathAttr(rights, fd)
                 if libc.syscall(add_rule, ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), 0):
                     raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
             finally:
@@ -116,4 +135,10 @@ def restrict(writable: list[str], writable_files: tuple[str, ...] = ("/dev/null"
     finally:
         os.close(ruleset)
     scope = ", no signals or abstract sockets outside the sandbox" if abi >= 6 else ""
+    if net:
+        scope += ", no TCP"
+    if readable is not None:
+        return (
+            f"ABI {abi}: reads only {', '.join(readable)}; writes only {', '.join(writable)}{scope}"
+        )
     return f"ABI {abi}: read-only except {', '.join(writable)}{scope}"

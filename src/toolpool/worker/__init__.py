@@ -3,6 +3,7 @@
 Never imports :mod:`toolpool.supervisor`.
 """
 
+from ._helpers import forget_helper, keep_helper
 from ._registry import (
     AroundDispatch,
     DispatchExecution,
@@ -19,4 +20,6 @@ __all__ = (
     "ToolExecution",
     "ToolResult",
     "ToolSpec",
+    "forget_helper",
+    "keep_helper",
 )

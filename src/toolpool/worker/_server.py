@@ -71,6 +71,7 @@ from ..protocol._ledger import SLOT_PAYLOAD, SLOTS, write_invoked, write_slot, w
 from ..sandbox._cgroups import others_listed
 from ..sandbox._linux import reap_zombies
 from ._call import DecodedArgs
+from ._helpers import helpers
 
 if TYPE_CHECKING:
     import mmap
@@ -527,10 +528,14 @@ class _Server:
     def _conclude(self, call_id: int, result: Any, extras: dict[str, Any]) -> tuple[bytes, bool]:
         """With the lock: the call is over. Count its leftovers, keep its result in the
         ledger; its frame, and whether it may be held back (another call is queued)."""
-        leftovers = len(_children()) if _has_children() else 0
+        kept = helpers()
+        leftovers = len(set(_children()) - kept) if _has_children() else 0
         if not leftovers and self.members is not None:
             try:
-                leftovers = others_listed(os.pread(self.members, 1 << 16, 0), self.pid)
+                listed = os.pread(self.members, 1 << 16, 0)
+                leftovers = others_listed(listed, self.pid)
+                if kept and leftovers:
+                    leftovers = len({int(p) for p in listed.split()} - kept - {self.pid})
             except OSError:
                 leftovers = 0
         # Left processes behind: take up nothing more until the supervisor killed them.

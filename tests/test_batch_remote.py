@@ -1,0 +1,152 @@
+"""``toolpool batch --server``: the batch's promises with the calls sent to services (here
+plain MCP servers answering as toolpool's face does, ``mcp_plain_server.py``; the scale-out
+test runs it against ``toolpool serve`` behind haproxy)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+HERE = Path(__file__).resolve().parent
+
+
+class Plain:
+    def __init__(self, ledger: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "mcp_plain_server.py"), "0"],
+            env={**os.environ, "TOOLPOOL_TEST_LEDGER": str(ledger)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        self.url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}/mcp"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def plains(tmp_path: Path) -> Iterator[list[Plain]]:
+    started = [Plain(tmp_path / "ledger"), Plain(tmp_path / "ledger")]
+    yield started
+    for p in started:
+        p.kill()
+
+
+def dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}/mcp"
+
+
+def write_lines(path: Path, lines: list[dict[str, object]]) -> None:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def batch(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "toolpool", "batch", "--no-progress", "--json", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def records(path: Path) -> dict[object, dict[str, object]]:
+    out: dict[object, dict[str, object]] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if "id" in record:
+            assert record["id"] not in out, f"two records for {record['id']}"
+            out[record["id"]] = record
+    return out
+
+
+def test_every_line_one_record_and_a_dead_server_takes_nothing(
+    tmp_path: Path, plains: list[Plain]
+) -> None:
+    lines: list[dict[str, object]] = [
+        {"id": i, "tool": "echo", "args": {"value": str(i)}} for i in range(200)
+    ]
+    lines.append({"id": "x", "tool": "fail", "args": {}})
+    write_lines(tmp_path / "in.jsonl", lines)
+    servers = [plains[0].url, dead_url(), plains[1].url]
+    run = batch(
+        *(f"--server={u}" for u in servers),
+        str(tmp_path / "in.jsonl"),
+        "-o",
+        str(tmp_path / "out.jsonl"),
+    )
+    out, err = run.communicate(timeout=150)
+    assert run.returncode == 1, err  # (one error record)
+    summary = json.loads(out)
+    assert summary["recorded"] == {"ok": 200, "error": 1}
+    got = records(tmp_path / "out.jsonl")
+    assert len(got) == 201
+    assert all(got[i]["value"] == str(i) and got[i]["attempts"] == 1 for i in range(200))
+    assert got["x"]["outcome"] == "error"
+    # Resumed: nothing runs again.
+    run = batch(
+        *(f"--server={u}" for u in servers),
+        str(tmp_path / "in.jsonl"),
+        "-o",
+        str(tmp_path / "out.jsonl"),
+    )
+    out, _ = run.communicate(timeout=150)
+    assert json.loads(out)["skipped"] == 201
+
+
+@pytest.mark.parametrize("idempotent", [False, True])
+def test_a_server_killed_mid_run(tmp_path: Path, plains: list[Plain], idempotent: bool) -> None:
+    """Its calls settle ``worker_lost`` (``body_started`` null: it never said); retried
+    only with ``--idempotent``, then on the other server."""
+    lines: list[dict[str, object]] = [
+        {"id": i, "tool": "slow", "args": {"seconds": 10}} for i in range(20)
+    ]
+    write_lines(tmp_path / "in.jsonl", lines)
+    extra = ["--retries", "1", "--idempotent"] if idempotent else ["--retries", "1"]
+    run = batch(
+        f"--server={plains[0].url}",
+        f"--server={plains[1].url}",
+        "--workers",
+        "20",
+        *extra,
+        str(tmp_path / "in.jsonl"),
+        "-o",
+        str(tmp_path / "out.jsonl"),
+    )
+    ledger = tmp_path / "ledger"
+    deadline = time.monotonic() + 60
+    while not (ledger.exists() and len(ledger.read_text().splitlines()) == 20):
+        assert time.monotonic() < deadline, "the 20 calls did not all start"
+        time.sleep(0.02)  # (another process's file: polled until every call started)
+    plains[0].kill()
+    _out, err = run.communicate(timeout=150)
+    got = records(tmp_path / "out.jsonl")
+    assert len(got) == 20, err
+    lost = [r for r in got.values() if r["outcome"] == "worker_lost"]
+    retried = [r for r in got.values() if r["attempts"] == 2]
+    if idempotent:
+        assert not lost
+        assert len(retried) == 10  # (half went to the killed server)
+        assert all(r["outcome"] == "ok" for r in got.values())
+    else:
+        assert len(lost) == 10
+        assert all(r["body_started"] is None and r["attempts"] == 1 for r in lost)
+        assert sum(1 for r in got.values() if r["outcome"] == "ok") == 10
