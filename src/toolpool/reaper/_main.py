@@ -1,7 +1,8 @@
 """The pool's reaper: a small trusted process between the supervisor and its workers.
 
-Run as a script (``python -P reaper/_main.py SUPERVISOR_PID FD``), stdlib plus psutil only, so it
-starts fast and never imports toolpool or any tool. It is a child subreaper: every worker is
+Run as a script (``python -P reaper/_main.py SUPERVISOR_PID FD``), stdlib only (psutil where
+a tree without a cgroup must be walked), so it starts fast and never imports toolpool or any
+tool (but the worker's template, below). It is a child subreaper: every worker is
 its child, and whatever a dead worker leaves behind (children, setsid'd daemons) is re-parented
 to it instead of to PID 1. It
 
@@ -9,8 +10,9 @@ to it instead of to PID 1. It
   either ``python -m toolpool.worker`` (fork and exec, like ``subprocess``), or, with
   ``start_method="fork"``, by forking itself once it has imported the worker's modules (the
   pre-forked template: see ``Template`` below and ``toolpool/worker/_template.py``);
-* kills trees on request: SIGTERM to the tree, or SIGSTOP the worker then SIGKILL every
-  descendant until none is left, then SIGKILL the worker;
+* kills trees on request: SIGTERM to the tree; or SIGKILL, through the worker's cgroup
+  (``cgroup.kill``) where it has one, else by stopping the worker (SIGSTOP), SIGKILLing every
+  descendant until none is left, then the worker; once per worker;
 * kills and reaps every orphan at once (an orphan is any child that is not a live worker:
   it can only come from a worker that died);
 * when the supervisor goes away (its end of the socket closes, or it is no longer the parent),
@@ -29,7 +31,6 @@ Messages are JSON objects, one per SOCK_SEQPACKET datagram. See docs/pool.md and
 from __future__ import annotations
 
 import collections
-import ctypes
 import importlib
 import importlib.util
 import json
@@ -37,18 +38,24 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
 import time
-from pathlib import Path
-from typing import Any, NoReturn
 
-import psutil
+# What the reaper imports is on the path of every pool's start (``docs/performance.md``,
+# "A lean start"): the stdlib it needs, no more. psutil (a walk of /proc, only where no
+# cgroup kills a tree), subprocess (only for spawned workers) and ctypes (a forked worker's
+# command line) are imported where they are used; typing is for the type checker alone.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
+
+#: toolpool's package directory (this file is toolpool/reaper/_main.py).
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 
 def _load(name: str, package: str = "sandbox") -> Any:
     """Load toolpool/<package>/<name>.py by path (importing toolpool itself would be heavy)."""
-    path = Path(__file__).resolve().parent.parent / package / f"{name}.py"
+    path = os.path.join(_PACKAGE, package, f"{name}.py")
     spec = importlib.util.spec_from_file_location(f"_toolpool{name}", path)
     assert spec is not None
     assert spec.loader is not None
@@ -78,6 +85,9 @@ EXIT_CLEANUP_BUDGET = 2.0
 #: (uninterruptible sleep) lingers, keeps its trees from being reported gone, and is reaped
 #: whenever it dies.
 ORPHAN_WAIT = 1.0
+#: Seconds a worker's exit is held back while the rest of its tree dies, to be reported with its
+#: ``gone`` (one report); past that, it is reported alone first.
+EXIT_REPORT_WAIT = 0.05
 #: Seconds to wait at exit for the killed workers to die; what is still alive then is named
 #: in ``bye`` (``unkillable``).
 EXIT_KILL_WAIT = 2.0
@@ -104,8 +114,8 @@ class Template:
         try:
             module = importlib.import_module("toolpool.worker._template")
             module.preload()
-            ours = Path(__file__).resolve().parent.parent
-            theirs = Path(sys.modules["toolpool"].__file__ or "").resolve().parent
+            ours = _PACKAGE
+            theirs = os.path.dirname(os.path.realpath(sys.modules["toolpool"].__file__ or ""))
             if ours != theirs:
                 raise ImportError(f"the workers would import toolpool from {theirs}, not {ours}")
             self.module = module
@@ -139,6 +149,9 @@ class Reaper:
         self.groups: dict[int, list[str]] = {}  # wid -> its cgroup directories
         self.pending_gone: list[int] = []  # wids reaped whose orphans may still live
         self.stuck: set[int] = set()  # wids whose cgroup would not empty yet
+        self.killing: set[int] = set()  # wids killed, not reaped yet (one kill per worker)
+        # wid -> the exit of a reaped worker not reported yet (reported with its 'gone')
+        self.exits: dict[int, dict[str, Any]] = {}
         # Killed orphans that did not die (uninterruptible sleep): pid -> the wids whose
         # trees they may be of (those that died when they were orphaned). Our children
         # until reaped, so their pids are not reused.
@@ -190,6 +203,8 @@ class Reaper:
                 self.fork(msg)
                 return
             self.send(ev="fork_unavailable", wid=wid, reason=why)
+        import subprocess
+
         output = None if msg.get("output") == "inherit" else subprocess.DEVNULL
         try:
             proc = subprocess.Popen(
@@ -292,16 +307,20 @@ class Reaper:
         trees.kill_pid(pid, sig)
 
     def kill_worker(self, wid: int) -> None:
+        """Kill the worker's tree, once: a second ``kill`` while the first is under way (the
+        worker not reaped yet) changes nothing (``kill_tree``), and is not done again."""
         pid = self._pid_of(wid)
-        if pid is not None:
-            rounds = kill_tree(pid, self.kill_dirs.get(wid))
-            self.send(ev="killed", wid=wid, rounds=rounds)
+        if pid is not None and wid not in self.killing:
+            self.killing.add(wid)
+            kill_tree(pid, self.kill_dirs.get(wid))
 
     def clean(self, wid: int) -> None:
         """Kill what a finished call left behind: every descendant, and every other process in
         the worker's cgroups (one a tool re-parented away from the worker with
         clone(CLONE_PARENT) is ours, not the worker's, but stays in its cgroup); never the
         worker itself."""
+        import psutil
+
         pid = self._pid_of(wid)
         killed: set[int] = set()
         if pid is not None:
@@ -358,14 +377,29 @@ class Reaper:
             self.lingering.pop(pid, None)  # a lingering orphan died at last
             wid = self.workers.pop(pid, None)
             if wid is not None:
-                code = os.waitstatus_to_exitcode(status)
-                # Read now: the cgroup is removed once the tree is gone, maybe before the
-                # supervisor handles this event.
-                ooms = cgroups.oom_kills(self.groups.get(wid, ())) if code == -9 else 0
-                self.send(ev="exited", wid=wid, pid=pid, status=code, oom_kills=ooms)
-                self.pending_gone.append(wid)
+                self._exited(wid, pid, os.waitstatus_to_exitcode(status))
         if self.pending_gone or self.closing:
             self.kill_orphans()
+
+    def _exited(self, wid: int, pid: int, code: int) -> None:
+        """Worker ``wid`` (``pid``) was reaped: what is left of its tree dies now (its cgroup
+        killed at once, where it has one). Its exit is reported with its ``gone`` (one
+        report), or before, should the rest of its tree take its time (``_report_exits``)."""
+        self.killing.discard(wid)
+        # Read now: the cgroup is removed once the tree is gone, maybe before the supervisor
+        # handles this report.
+        ooms = cgroups.oom_kills(self.groups.get(wid, ())) if code == -9 else 0
+        self.exits[wid] = {"wid": wid, "pid": pid, "status": code, "oom_kills": ooms}
+        self.pending_gone.append(wid)
+        kill_dir = self.kill_dirs.get(wid)
+        if kill_dir is not None:
+            cgroups.cgroup_kill(kill_dir)  # (an empty cgroup: nothing to do)
+
+    def _report_exits(self) -> None:
+        """Report the exits not reported yet, without waiting for their trees' ends."""
+        exits, self.exits = self.exits, {}
+        for report in exits.values():
+            self.send(ev="exited", **report)
 
     def kill_orphans(self) -> None:
         """Kill and reap every child that is not a live worker; then report trees gone.
@@ -376,24 +410,39 @@ class Reaper:
         reported gone (``stuck``), however long that takes."""
         deadline = time.monotonic() + ORPHAN_WAIT
         while True:
-            orphans = [
-                c
-                for c in trees.children(os.getpid())
-                if c.pid not in self.workers and c.pid not in self.lingering
-            ]
-            alive = [c for c in orphans if not trees.is_zombie(c)]
-            for orphan in alive:
-                kill_tree(orphan.pid)
+            children = linux.child_pids()
+            if children is None:  # (a kernel without the file: a scan of /proc)
+                children = [p.pid for p in trees.children(os.getpid())]
+            orphans = [p for p in children if p not in self.workers and p not in self.lingering]
             if not orphans:
                 break
+            killed: set[int] | None = None  # the members of the cgroups killed already
+            for pid in orphans:
+                if trees.pid_is_zombie(pid):
+                    continue
+                if killed is None:
+                    dying = [*self.pending_gone, *self.killing]
+                    dirs = [self.kill_dirs[w] for w in dying if w in self.kill_dirs]
+                    killed = cgroups.members(dirs)
+                if pid in killed:
+                    # Killed with its cgroup, which none of it can leave or fork from now:
+                    # its children die with it, and what left the cgroup before comes to us
+                    # once its parent is dead (we are the subreaper): the next round.
+                    trees.kill_pid(pid, signal.SIGKILL)
+                else:  # it left its worker's cgroup (or there is none): its whole tree
+                    kill_tree(pid)
             # Reap what we killed (and the zombies); new orphans may have arrived: loop.
-            for orphan in self._reap_orphans(orphans, deadline):
-                self.lingering[orphan.pid] = set(self.pending_gone)
+            for pid in self._reap_orphans(orphans, deadline):
+                self.lingering[pid] = set(self.pending_gone)
         gone, self.pending_gone = self.pending_gone, []
         for wid in gone:
+            report = self.exits.pop(wid, None)
             if self.barrier(wid) and not self._lingers(wid):
-                self.send(ev="gone", wid=wid)
+                # Exited and gone: one report (with the exit, unless that went before).
+                self.send(ev="gone", **(report or {"wid": wid}))
             else:  # never report a tree gone that is not: retry from the main loop
+                if report is not None:
+                    self.send(ev="exited", **report)
                 self.stuck.add(wid)
                 self.send(ev="stuck", wid=wid, pids=self._lingering_of(wid))
 
@@ -468,28 +517,34 @@ class Reaper:
                 error=None if removal.finished else removal.summary(),
             )
 
-    def _reap_orphans(self, orphans: list[psutil.Process], deadline: float) -> list[psutil.Process]:
-        """Reap the (killed) orphans, waiting until ``deadline`` at most; return those still
-        alive then."""
-        left = []
-        for orphan in orphans:
-            while True:
+    def _reap_orphans(self, orphans: list[int], deadline: float) -> list[int]:
+        """Reap the (killed) orphans, waiting until ``deadline`` at most (on their pidfds:
+        woken as one dies); return those still alive then."""
+        pending = orphans
+        report_by = time.monotonic() + EXIT_REPORT_WAIT
+        while True:
+            alive = []
+            for orphan in pending:
                 try:
-                    pid, status = os.waitpid(orphan.pid, os.WNOHANG)
+                    pid, status = os.waitpid(orphan, os.WNOHANG)
                 except ChildProcessError:
-                    break
-                if pid:
-                    wid = self.workers.pop(pid, None)
-                    if wid is not None:  # cannot happen (workers are not orphans): be truthful
-                        code = os.waitstatus_to_exitcode(status)
-                        self.send(ev="exited", wid=wid, pid=pid, status=code)
-                        self.pending_gone.append(wid)
-                    break
-                if time.monotonic() >= deadline:
-                    left.append(orphan)
-                    break
-                time.sleep(0.0005)  # a killed process is gone within moments (or never)
-        return left
+                    continue
+                if not pid:
+                    alive.append(orphan)
+                    continue
+                wid = self.workers.pop(pid, None)
+                if wid is not None:  # cannot happen (workers are not orphans): be truthful
+                    self._exited(wid, pid, os.waitstatus_to_exitcode(status))
+            now = time.monotonic()
+            if not alive or now >= deadline:
+                return alive
+            if self.exits and now >= report_by:
+                # A tree that takes its time: its worker's exit is not held back longer.
+                self._report_exits()
+            until = report_by if self.exits else deadline
+            # A killed process is gone within moments (or never).
+            trees.wait_any_dead(alive, min(until, deadline) - now)
+            pending = alive
 
     # ---- main loop
 
@@ -553,13 +608,12 @@ class Reaper:
             except ChildProcessError:
                 break
             if pid == 0:
-                time.sleep(0.002)
+                trees.wait_any_dead(list(self.workers), deadline - time.monotonic())
                 continue
             self.lingering.pop(pid, None)
             wid = self.workers.pop(pid, None)
             if wid is not None:
-                self.send(ev="exited", wid=wid, pid=pid, status=os.waitstatus_to_exitcode(status))
-                self.pending_gone.append(wid)
+                self._exited(wid, pid, os.waitstatus_to_exitcode(status))
         self.kill_orphans()
         self.unkillable = self._alive_left()
         # If the supervisor died, nobody else will remove the pool's directories.
@@ -599,6 +653,8 @@ class Reaper:
         """The pool's processes still alive after every kill: workers not reaped, their
         descendants, lingering orphans (none dies of its SIGKILL: uninterruptible sleep)."""
         alive: set[int] = set()
+        import psutil
+
         for pid in [*self.workers, *self.lingering]:
             procs = [pid, *(p.pid for p in trees.descendants(pid))]
             for each in procs:
@@ -613,14 +669,19 @@ class Reaper:
     unkillable: list[int] = []  # noqa: RUF012 (replaced, never changed in place)
 
 
-def kill_tree(pid: int, kill_dir: str | None = None) -> int:
-    """Kill ``pid`` and everything below it (``_trees.kill_below``), with a v2 cgroup
-    (``kill_dir``) first through ``cgroup.kill``, which kills the whole tree atomically,
-    daemons included. Returns how many rounds the descendant loop took."""
-    if kill_dir is not None:
-        cgroups.cgroup_kill(kill_dir)
-    rounds: int = trees.kill_below(pid)
-    return rounds
+def kill_tree(pid: int, kill_dir: str | None = None) -> None:
+    """Kill ``pid`` (a child of this process) and everything below it.
+
+    With a v2 cgroup (``kill_dir``): ``cgroup.kill``, which SIGKILLs every process in it at
+    once (daemons included; none can fork meanwhile), and SIGKILL to ``pid`` itself, should it
+    have left the cgroup. Nothing is frozen or looked for: what left the cgroup (a root tool
+    can) is re-parented to the reaper as its parent dies, and killed then as an orphan
+    (``Reaper.kill_orphans``). Without one: ``_trees.kill_below`` (freeze, walk /proc).
+    """
+    if kill_dir is not None and cgroups.cgroup_kill(kill_dir):
+        trees.kill_pid(pid, signal.SIGKILL)
+        return
+    trees.kill_below(pid)
 
 
 def set_cmdline(args: list[str]) -> None:
@@ -630,6 +691,8 @@ def set_cmdline(args: list[str]) -> None:
     in place (they are only as long as the reaper's own command line), so the first argument is
     shortened or padded with spaces to make the others fit exactly.
     """
+    import ctypes
+
     try:
         with open("/proc/self/stat", "rb") as f:
             stat = f.read()

@@ -1,13 +1,25 @@
-"""The reaper's process-tree helpers (stdlib and psutil only: the reaper loads this file by
-path, see ``_main.py``)."""
+"""The reaper's process-tree helpers (stdlib, and psutil where a tree must be walked: the
+reaper loads this file by path, see ``_main.py``).
+
+Two ways to find processes. The reaper's own children are read from
+``/proc/self/task/*/children`` (``_linux.child_pids``): a few bytes, however many processes the
+machine runs, and exact here, since only the reaper removes entries from that list (it is
+single-threaded and the only one that reaps its children), while new ones are only appended.
+A worker's descendants are found by psutil (:func:`descendants`), which reads all of
+``/proc``: only where no ``cgroup.kill`` kills a tree, and for ``signal``/``clean``. psutil is
+imported on first use, so a reaper that never walks a tree never pays for it.
+"""
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import time
+from typing import TYPE_CHECKING
 
-import psutil
+if TYPE_CHECKING:
+    import psutil
 
 #: Seconds ``kill_below`` waits for the descendants it killed to die before it kills the
 #: worker, and a clean-up for the leftovers it killed (one that does not die, in
@@ -15,7 +27,25 @@ import psutil
 KILL_TREE_WAIT = 0.5
 
 
+def state_of(pid: int) -> str | None:
+    """The state letter of ``pid`` (``/proc/PID/stat``: R, S, D, Z...), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    end = stat.rfind(b")")
+    return stat[end + 2 : end + 3].decode() if end > 0 else None
+
+
+def pid_is_zombie(pid: int) -> bool:
+    """Whether ``pid`` (a child of this process: its pid cannot be reused) is dead."""
+    return state_of(pid) in (None, "Z", "X")
+
+
 def children(pid: int) -> list[psutil.Process]:
+    import psutil
+
     try:
         return psutil.Process(pid).children()
     except psutil.Error:
@@ -23,6 +53,8 @@ def children(pid: int) -> list[psutil.Process]:
 
 
 def descendants(pid: int) -> list[psutil.Process]:
+    import psutil
+
     try:
         return psutil.Process(pid).children(recursive=True)
     except psutil.Error:
@@ -30,6 +62,8 @@ def descendants(pid: int) -> list[psutil.Process]:
 
 
 def is_zombie(proc: psutil.Process) -> bool:
+    import psutil
+
     try:
         return proc.status() == psutil.STATUS_ZOMBIE
     except psutil.Error:
@@ -37,6 +71,8 @@ def is_zombie(proc: psutil.Process) -> bool:
 
 
 def signal_proc(proc: psutil.Process, sig: int) -> None:
+    import psutil
+
     try:
         proc.send_signal(sig)  # psutil checks the pid still names the same process
     except psutil.Error:
@@ -56,6 +92,8 @@ def kill_below(pid: int) -> int:
     KILL_TREE_WAIT) for them to die, then SIGKILL it. ``pid`` must be a child of this process
     (so its pid cannot be reused before we reap it). Returns how many rounds the descendant
     loop took.
+
+    The way without a cgroup: it reads all of ``/proc`` once a round (psutil).
     """
     kill_pid(pid, signal.SIGSTOP)
     rounds = 0
@@ -81,3 +119,25 @@ def kill_below(pid: int) -> int:
         rounds += 1
     kill_pid(pid, signal.SIGKILL)
     return rounds
+
+
+def wait_any_dead(pids: list[int], timeout: float) -> None:
+    """Wait until one of ``pids`` (children of this process, not reaped yet) has died, or
+    ``timeout`` seconds: on their pidfds (readable at death), or in short sleeps where there
+    are none (a kernel before 5.3)."""
+    fds: list[int] = []
+    try:
+        for pid in pids:
+            try:
+                fds.append(os.pidfd_open(pid))
+            except ProcessLookupError:
+                return  # already reaped by someone? (not by us: it is dead, look again)
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        poller.poll(max(0.0, timeout) * 1000)
+    except (AttributeError, OSError):  # no pidfd_open
+        time.sleep(min(timeout, 0.0005))
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -1,4 +1,5 @@
-"""prctl(2) through ctypes, stdlib only (the reaper loads this file by path)."""
+"""prctl(2) through ctypes, and this process's children; stdlib only (the reaper loads this
+file by path)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ __all__ = (
     "PR_SET_CHILD_SUBREAPER",
     "PR_SET_NO_NEW_PRIVS",
     "PR_SET_PDEATHSIG",
+    "child_pids",
     "prctl",
     "reap_zombies",
 )
@@ -36,3 +38,22 @@ def reap_zombies() -> None:
             return
         if pid == 0:
             return
+
+
+def child_pids() -> list[int] | None:
+    """This process's children, zombies included, from ``/proc/self/task/*/children``: a few
+    bytes, however many processes the machine runs (no scan of ``/proc``). None where the
+    kernel has no such file (built without ``CONFIG_PROC_CHILDREN``)."""
+    pids: list[int] = []
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/children", "rb") as f:
+                pids.extend(int(p) for p in f.read().split())
+        except OSError:  # a thread that ended meanwhile; or no such file at all (below)
+            if not os.path.exists(f"/proc/self/task/{os.getpid()}/children"):
+                return None
+    return pids

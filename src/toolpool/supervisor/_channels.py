@@ -317,6 +317,8 @@ class Channels:
         elif kind == "gone":
             if io is not None:
                 self._read(io)  # what it sent before it died counts
+            if "status" in event:  # exited and gone: one report
+                core.exited(wid, int(event["status"]), int(event.get("oom_kills", 0)), now)
             core.gone(wid, now)
         elif kind == "cleaned":
             core.cleaned(wid, int(event.get("count", 0)), now)

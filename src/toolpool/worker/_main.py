@@ -18,7 +18,6 @@ for the ledger must be acknowledged before the worker takes up its next call.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import mmap
@@ -26,7 +25,7 @@ import os
 import signal
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 # Stdlib and msgpack only (no threads): safe before set-up. zmq is imported after it.
 from ..protocol import PROTOCOL_VERSION, Fatal, Hello, encode
@@ -43,35 +42,69 @@ EXIT_SETUP_FAILED = 70
 EXIT_TOOLS_FAILED = 71
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m toolpool.worker")
-    parser.add_argument("--endpoint", required=True, help="zmq endpoint to connect to")
-    parser.add_argument("--tools", required=True, help="module:attribute naming a Registry")
-    parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--max-frame", type=int, required=True)
-    parser.add_argument("--profile", default=None, help="containment profile (JSON)")
-    parser.add_argument(
-        "--capture", type=int, default=0, help="bytes of output kept per call (0: none)"
-    )
-    parser.add_argument(
-        "--cgroup-procs", default="", help="comma-separated cgroup.procs files to join"
-    )
-    parser.add_argument("--ledger", default="", help="the ledger file shared with the supervisor")
-    parser.add_argument(
-        "--members", default="", help="the cgroup v2 cgroup.procs listing the worker's tree"
-    )
-    parser.add_argument(
-        "--heartbeat",
-        type=float,
-        default=0.0,
-        help="seconds between heartbeats to the supervisor (0: none)",
-    )
-    parser.add_argument(
-        "--allow-background",
-        action="store_true",
-        help="processes a call leaves behind are allowed: never wait for their clean-up",
-    )
-    return parser.parse_args(argv)
+class Options(TypedDict):
+    """What a worker is told: its command line's options, by name (``--parent-pid`` is
+    ``parent_pid``)."""
+
+    endpoint: str  # the zmq endpoint to connect to
+    tools: str  # module:attribute naming a Registry
+    parent_pid: int  # the reaper: the worker exits at once if it is not its parent
+    max_frame: int  # the largest message either way
+    profile: str  # the containment profile (JSON; "": none)
+    capture: int  # bytes of output kept per call (0: none)
+    cgroup_procs: str  # comma-separated cgroup.procs files to join
+    ledger: str  # the ledger file shared with the supervisor
+    members: str  # the cgroup v2 cgroup.procs listing the worker's tree
+    heartbeat: float  # seconds between heartbeats to the supervisor (0: none)
+    allow_background: bool  # processes a call leaves behind are allowed: never wait for them
+
+
+#: Each option's type and default (None: required); ``allow_background`` is a flag.
+_OPTIONS: dict[str, tuple[type, object]] = {
+    "endpoint": (str, None),
+    "tools": (str, None),
+    "parent_pid": (int, None),
+    "max_frame": (int, None),
+    "profile": (str, ""),
+    "capture": (int, 0),
+    "cgroup_procs": (str, ""),
+    "ledger": (str, ""),
+    "members": (str, ""),
+    "heartbeat": (float, 0.0),
+}
+USAGE = "usage: python -m toolpool.worker --endpoint E --tools MODULE:ATTR --parent-pid PID "
+USAGE += "--max-frame BYTES [--profile JSON] [--capture BYTES] [--cgroup-procs FILES] "
+USAGE += "[--ledger FILE] [--members FILE] [--heartbeat SECONDS] [--allow-background]"
+
+
+def parse_options(argv: list[str]) -> Options:
+    """The worker's options from its command line (``--name value`` pairs and the flag
+    ``--allow-background``, as the supervisor writes them). Plain, for a quick start: a
+    worker forked from the template parses its command line with this, not with argparse.
+    Raises ValueError naming what is wrong."""
+    values: dict[str, object] = {"allow_background": False}
+    args = iter(argv)
+    for arg in args:
+        name = arg.removeprefix("--").replace("-", "_")
+        if not arg.startswith("--") or (name not in _OPTIONS and name != "allow_background"):
+            raise ValueError(f"unknown argument {arg!r}")
+        if name == "allow_background":
+            values[name] = True
+            continue
+        text = next(args, None)
+        if text is None:
+            raise ValueError(f"{arg} needs a value")
+        kind = _OPTIONS[name][0]
+        try:
+            values[name] = kind(text)
+        except ValueError:
+            raise ValueError(f"{arg}: not a valid {kind.__name__}: {text!r}") from None
+    for name, (_kind, default) in _OPTIONS.items():
+        if name not in values:
+            if default is None:
+                raise ValueError(f"--{name.replace('_', '-')} is required")
+            values[name] = default
+    return values  # type: ignore[return-value]
 
 
 def open_ledger(path: str) -> mmap.mmap | None:
@@ -165,35 +198,50 @@ def load_registry(spec: str) -> Registry:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parse(sys.argv[1:] if argv is None else argv)
-    procs = [p for p in args.cgroup_procs.split(",") if p]
+    """``python -m toolpool.worker ARGV``: a bad command line exits with status 2."""
     try:
-        ledger = open_ledger(args.ledger)
+        options = parse_options(sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:
+        print(f"{USAGE}\npython -m toolpool.worker: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    run(options)
+
+
+def run(args: Options) -> None:
+    """Be the worker ``args`` describe: set up, connect, say hello, serve until told to stop."""
+    procs = [p for p in args["cgroup_procs"].split(",") if p]
+    try:
+        ledger = open_ledger(args["ledger"])
     except (OSError, ValueError):
         os._exit(EXIT_SETUP_FAILED)
-    members = open_members(args.members)
+    members = open_members(args["members"])
+    tools = args["tools"]
     secret, report, setup_error = setup(
-        args.parent_pid, args.profile, procs, args.endpoint, args.tools.partition(":")[0]
+        args["parent_pid"],
+        args["profile"] or None,
+        procs,
+        args["endpoint"],
+        tools.partition(":")[0],
     )
 
     capture = None
-    if args.capture > 0:
+    if args["capture"] > 0:
         from ._capture import OutputCapture
 
-        capture = OutputCapture(args.capture)
+        capture = OutputCapture(args["capture"])
 
     import zmq
 
     ctx = zmq.Context(io_threads=1)
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 2000)
-    sock.setsockopt(zmq.MAXMSGSIZE, args.max_frame)
+    sock.setsockopt(zmq.MAXMSGSIZE, args["max_frame"])
     sock.setsockopt(zmq.RECONNECT_IVL, -1)
-    sock.connect(args.endpoint)
+    sock.connect(args["endpoint"])
     try:
         if setup_error is not None:
             raise RuntimeError(setup_error)
-        registry = load_registry(args.tools)
+        registry = load_registry(tools)
         # Each entry also says whether the tool is sync (the supervisor queues calls only
         # behind such bodies: protocol.md 6.2). It is not part of the catalog.
         catalog = [
@@ -207,8 +255,8 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(EXIT_TOOLS_FAILED)
     sock.send(encode(Hello(PROTOCOL_VERSION, os.getpid(), secret, catalog, report)))
 
-    server = _Server(sock, registry, args.max_frame, capture, ledger, members, args.heartbeat)
-    server.allow_background = args.allow_background
+    server = _Server(sock, registry, args["max_frame"], capture, ledger, members, args["heartbeat"])
+    server.allow_background = args["allow_background"]
     try:
         server.serve()
     finally:

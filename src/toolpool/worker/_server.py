@@ -69,7 +69,7 @@ from ..protocol import (
 )
 from ..protocol._ledger import SLOT_PAYLOAD, SLOTS, write_invoked, write_slot, write_taken
 from ..sandbox._cgroups import others_listed
-from ..sandbox._linux import reap_zombies
+from ..sandbox._linux import child_pids, reap_zombies
 from ._call import DecodedArgs
 from ._helpers import helpers
 
@@ -599,18 +599,7 @@ class _Server:
 
 def _children() -> list[int]:
     """This process's child processes, zombies included (cheap: /proc, no scan)."""
-    pids: list[int] = []
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return pids
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                pids.extend(int(p) for p in f.read().split())
-        except OSError:
-            pass
-    return pids
+    return child_pids() or []
 
 
 def _usage() -> tuple[float, float]:

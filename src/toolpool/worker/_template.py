@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
-import runpy
 import sys
 import threading
 import traceback
@@ -42,6 +41,8 @@ PRELOAD = (
 
 #: The argv prefix of a worker started by ``python -m``; what follows it is the worker's own.
 WORKER_MODULE = "toolpool.worker"
+#: The docstring of the worker's ``__main__.py``.
+MAIN_DOC = "Entry point of a worker process: ``python -m toolpool.worker``."
 
 
 def preload() -> None:
@@ -88,13 +89,19 @@ def run(argv: Sequence[str], env: Mapping[str, str], base_path: Sequence[str]) -
         tempfile = sys.modules.get("tempfile")
         if tempfile is not None:  # its cached directory came from the reaper's environment
             tempfile.tempdir = None  # type: ignore[attr-defined]
-        sys.modules["__main__"] = types.ModuleType("__main__")  # not the reaper's script
         for name in [n for n in sys.modules if n.startswith("_toolpool_")]:
             del sys.modules[name]  # the reaper's helpers, loaded by path
-        sys.argv = [WORKER_MODULE, *argv]
+        worker = sys.modules[f"{WORKER_MODULE}._main"]
+        # What ``python -m toolpool.worker`` sees, without running it again through runpy:
+        # its argv, its ``__main__`` (the worker's ``__main__.py``: nothing but ``main``),
+        # not the reaper's script.
+        main = sys.modules["__main__"] = types.ModuleType("__main__", MAIN_DOC)
+        main.__file__ = os.path.join(os.path.dirname(worker.__file__ or ""), "__main__.py")
+        main.__package__ = WORKER_MODULE
+        main.main = worker.main  # type: ignore[attr-defined]
+        sys.argv = [main.__file__, *argv]
         try:
-            # What ``python -m toolpool.worker`` does (sys.argv[0] becomes the file's path).
-            runpy.run_module(WORKER_MODULE, run_name="__main__", alter_sys=True)
+            worker.main(list(argv))  # (its options parsed into a dict: no argparse)
             code = 0
         except SystemExit as exc:
             code = _exit_code(exc.code)

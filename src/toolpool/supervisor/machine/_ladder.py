@@ -268,8 +268,12 @@ class Ladder:
                 self.signalled(w, None, Rung.SIGKILL)
 
     def kill_tree(self, w: WorkerRecord) -> None:
-        """Ask the reaper to SIGKILL w's tree (``_start_kill_clock``)."""
-        self.s.act(Kill(w.wid))
+        """Ask the reaper to SIGKILL w's tree, once (``start_kill_clock``): a kill once asked
+        ends the whole tree (the reaper kills what is left of it when it reaps w), so a
+        second one (w's connection dropping as it dies, the close's last resort) would only
+        make the reaper look at a dying tree again."""
+        if w.killed_at is None:
+            self.s.act(Kill(w.wid))
         self.start_kill_clock(w)
 
     def start_kill_clock(self, w: WorkerRecord) -> None:
