@@ -1254,7 +1254,8 @@ async def _tp_add_worker(sz: dict[str, Any], method: str) -> list[dict[str, Any]
             t0 = time.perf_counter()
             core = pool._core
             default = getattr(core, "default", None)  # (a provider's, since issue 17)
-            w = core._spawn(default) if default is not None else core._spawn()
+            spawn = core.fleet.spawn if hasattr(core, "fleet") else core._spawn  # (machine/)
+            w = spawn(default) if default is not None else spawn()
             pool._pump()
             while not w.answered:
                 await pool._wait_changed()

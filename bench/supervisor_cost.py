@@ -9,7 +9,8 @@ toolpool's supervisor-side Python.
 
 Run it with another checkout's ``src`` first on ``PYTHONPATH`` (and ``TESTS=<its tests>``)
 for a before/after; it sets up the pool's core by its private names, which it handles for the
-versions since the sans-I/O core (issue 13) and since providers (issue 17).
+versions since the sans-I/O core (issue 13), since providers (issue 17) and since the
+machine of parts (issue 25).
 """
 
 from __future__ import annotations
@@ -25,10 +26,17 @@ import anyio
 
 import toolpool
 from pool_support import FakeWorkerSocket
-from toolpool.protocol import Result, decode_from_supervisor, encode
-from toolpool.supervisor._records import WorkerRecord
+from toolpool.protocol import decode_from_supervisor, encode
 from toolpool.supervisor._results import WorkerState
 from toolpool.supervisor._workerio import WorkerIO
+
+try:  # the machine's parts (issue 25)
+    from toolpool.protocol import ResultMessage as Result
+    from toolpool.supervisor.machine import ProviderState, WorkerRecord
+except ImportError:
+    from toolpool.supervisor._records import WorkerRecord  # type: ignore[no-redef]
+
+    from toolpool.protocol import Result  # type: ignore[attr-defined,no-redef]
 
 
 class InstantWorker(FakeWorkerSocket):
@@ -49,7 +57,10 @@ async def main() -> None:
         core: Any = pool._core
         if hasattr(core, "owner"):  # providers (issue 17)
             p = core.pending.pop("default")
-            p.state, p.starting = "active", False
+            if hasattr(p, "advance"):  # a transition table (issue 25)
+                p.advance(ProviderState.ACTIVE)
+            else:
+                p.state, p.starting = "active", False
             core.providers["default"] = p
             p.catalog["noop"] = {"name": "noop"}
             core.owner["noop"] = p
@@ -69,7 +80,7 @@ async def main() -> None:
         t0 = time.process_time()
         calls = [pool.submit("noop") for _ in range(n)]
         ready.append(w)
-        core._dispatch()
+        core.dispatch.schedule() if hasattr(core, "fleet") else core._dispatch()
         pool._pump()
         elapsed = time.process_time() - t0
         assert all(c.done() for c in calls)

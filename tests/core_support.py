@@ -1,4 +1,4 @@
-"""Helpers for white-box tests of the pool's core (``toolpool.supervisor._core``): a probe
+"""Helpers for white-box tests of the pool's core (``toolpool.supervisor.machine``): a probe
 that answers from plain dicts, and a core with workers already said hello."""
 
 from __future__ import annotations
@@ -6,10 +6,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from toolpool.supervisor._core import PoolCore
-from toolpool.supervisor._records import ProviderRecord, Send, WorkerRecord
 from toolpool.supervisor._results import WorkerState
-from toolpool.supervisor._state import CoreConfig
+from toolpool.supervisor.machine import (
+    CoreConfig,
+    Machine,
+    ProviderRecord,
+    ProviderSpec,
+    ProviderState,
+    Send,
+    WorkerRecord,
+)
 
 __all__ = ("FakeProbe", "core_with_workers", "sent")
 
@@ -46,15 +52,15 @@ class FakeProbe:
 
 def core_with_workers(
     n: int, *, ready: bool = True, **config: Any
-) -> tuple[PoolCore, list[WorkerRecord], FakeProbe]:
+) -> tuple[Machine, list[WorkerRecord], FakeProbe]:
     """A running core with ``n`` workers that said hello (READY, in the ready list if
     ``ready``), serving the tool ``noop`` (its body in a thread: calls may queue behind it)."""
-    options: dict[str, Any] = {"tools_spec": "fake:registry", "size": n, "prefetch": 16}
-    options.update(config)
     probe = FakeProbe()
-    core = PoolCore(CoreConfig(**options), probe, lambda: b"secret")
+    core = Machine(CoreConfig(**config), probe, lambda: b"secret")
+    core.add_provider("default", ProviderSpec(tools_spec="fake:registry", size=n, prefetch=16), 0.0)
     core.starting = False
     p = serve(core, ["noop"], threaded=["noop"])
+    core.start(0.0)  # (its provider is active already: this starts no worker)
     workers = []
     for wid in range(1, n + 1):
         w = WorkerRecord(wid, b"secret", p)
@@ -69,12 +75,11 @@ def core_with_workers(
     return core, workers, probe
 
 
-def serve(core: PoolCore, tools: Iterable[str], *, threaded: Iterable[str] = ()) -> ProviderRecord:
+def serve(core: Machine, tools: Iterable[str], *, threaded: Iterable[str] = ()) -> ProviderRecord:
     """Make the core's default provider active with ``tools``, as if its workers had said
     hello (they are the test's to add)."""
     p = core.pending.pop("default")
-    p.state = "active"
-    p.starting = False
+    p.advance(ProviderState.ACTIVE)
     core.providers["default"] = p
     for tool in tools:
         p.catalog[tool] = {"name": tool}

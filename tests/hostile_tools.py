@@ -26,7 +26,9 @@ import msgpack
 import zmq
 
 from toolpool import Registry, ToolExecution
-from toolpool.protocol import PROTOCOL_VERSION, CancelAck, Fatal, Hello, Result, Started, encode
+from toolpool.protocol import PROTOCOL_VERSION, CancelAck, Fatal, Hello, encode
+from toolpool.protocol import ResultMessage as Result
+from toolpool.protocol import StartedMessage as Started
 from toolpool.testing import examples
 
 registry = Registry()

@@ -1,4 +1,4 @@
-"""Deterministic simulation of the pool's core (``toolpool.supervisor._core``).
+"""Deterministic simulation of the pool's core (``toolpool.supervisor.machine``).
 
 The core is driven through random schedules against a model of the world: worker processes
 that take calls in order, mark their ledger, run bodies that return, cooperate, ignore their
@@ -33,36 +33,39 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from core_support import FakeProbe
-from toolpool.core import CancelCause, Outcome
+from toolpool.core import CancelCause, Graces, Outcome
 from toolpool.protocol import (
     PROTOCOL_VERSION,
     Ack,
-    Call,
+    CallMessage,
     Cancel,
     CancelAck,
     Heartbeat,
     Hello,
     Pong,
-    Progress,
+    ProgressMessage,
     Recall,
+    ResultMessage,
     Resume,
     Shutdown,
-    Started,
+    StartedMessage,
     Withdrawn,
     decode_from_supervisor,
     encode,
     pack_value,
 )
-from toolpool.protocol import Result as ResultMessage
-from toolpool.supervisor._core import PoolCore
-from toolpool.supervisor._lifecycle import REAPER_START_ATTEMPTS
-from toolpool.supervisor._records import (
+from toolpool.supervisor._results import WorkerState
+from toolpool.supervisor.machine import (
+    REAPER_START_ATTEMPTS,
     Autoscale,
     CallRecord,
     Clean,
     Close,
+    CoreConfig,
     GroupRecord,
+    IllegalMove,
     Kill,
+    Machine,
     Orphaned,
     Progressed,
     ProviderSpec,
@@ -73,9 +76,7 @@ from toolpool.supervisor._records import (
     Terminate,
     Unkillable,
 )
-from toolpool.supervisor._records import Started as StartedAction
-from toolpool.supervisor._results import WorkerState
-from toolpool.supervisor._state import CoreConfig
+from toolpool.supervisor.machine import Started as StartedAction
 
 #: Tools of the model: (name, body runs in a thread).
 TOOLS = {
@@ -129,7 +130,7 @@ class FakeWorker:
     lingers: bool = False  # its tree outlives its pid until a 'tree' step
     inbox: collections.deque[Any] = field(default_factory=collections.deque)
     outbox: collections.deque[Any] = field(default_factory=collections.deque)
-    queue: list[Call] = field(default_factory=list)
+    queue: list[CallMessage] = field(default_factory=list)
     current: Body | None = None
     taken_mark: int = 0
     invoked_mark: int = 0
@@ -162,21 +163,26 @@ class World:
         self.now = 1000.0
         self.probe = FakeProbe()
         config = CoreConfig(
+            graces=Graces(
+                cancel=CANCEL_GRACE, term=TERM_GRACE, drain=0.5, unkillable_after=UNKILLABLE_AFTER
+            ),
+            start_timeout=START_TIMEOUT,
+            max_start_failures=1000,
+            heartbeat=HEARTBEAT,
+        )
+        self.secrets = iter(range(1, 1 << 30))
+        self.core = Machine(config, self.probe, lambda: b"s%032d" % next(self.secrets))
+        self.prefetch = prefetch
+        self.max_calls = max_calls
+        # Pool("sim:registry", ...): the provider "default", added before the pool starts.
+        default = ProviderSpec(
             tools_spec="sim:registry",
             size=workers,
             warm_spares=spares,
             prefetch=prefetch,
-            cancel_grace=CANCEL_GRACE,
-            term_grace=TERM_GRACE,
-            start_timeout=START_TIMEOUT,
-            max_start_failures=1000,
-            drain_grace=0.5,
-            unkillable_after=UNKILLABLE_AFTER,
-            heartbeat=HEARTBEAT,
-            max_calls_per_worker=max_calls,
+            max_calls=max_calls,
         )
-        self.secrets = iter(range(1, 1 << 30))
-        self.core = PoolCore(config, self.probe, lambda: b"s%032d" % next(self.secrets))
+        self.core.add_provider("default", default, self.now)
         self.workers: dict[int, FakeWorker] = {}
         self.reports: collections.deque[tuple[Any, ...]] = collections.deque()
         self.reaper_up = True
@@ -260,7 +266,7 @@ class World:
                 return
             for frame in action.frames:
                 msg = decode_from_supervisor(frame)
-                if isinstance(msg, Call):
+                if isinstance(msg, CallMessage):
                     call = self.calls[msg.call_id - 1]
                     p = core.workers[action.wid].provider
                     if call.tool not in p.catalog or p.state != "active":
@@ -406,7 +412,9 @@ class World:
                     w.outbox.append(ResultMessage(10**9, "ok", None, None, None, True, {}, 0, {}))
                 else:  # progress for a call it does not run (settled, perhaps): ignored
                     settled = [c.id for c in self.calls if c._result is not None] or [10**9]
-                    w.outbox.append(Progress(settled[step[1] % len(settled)], 1.0, None, None))
+                    w.outbox.append(
+                        ProgressMessage(settled[step[1] % len(settled)], 1.0, None, None)
+                    )
         elif kind == "hang" and live:
             # Its body enters a C call that holds the GIL (or it leaves one): no thread of
             # the worker runs. Again: the call returns, the worker goes on.
@@ -461,8 +469,8 @@ class World:
                 tools_spec=f"sim:{name}",
                 size=1 + size % 3,
                 warm_spares=0,
-                prefetch=core.config.prefetch,
-                max_calls=core.config.max_calls_per_worker,
+                prefetch=self.prefetch,
+                max_calls=self.max_calls,
             )
             core.add_provider(name, spec, self.now)
         elif op == 1 and known:
@@ -549,7 +557,7 @@ class World:
             return
         if w.inbox:
             msg = w.inbox.popleft()
-            if isinstance(msg, Call):
+            if isinstance(msg, CallMessage):
                 w.acked = max(w.acked, msg.acked)
                 w.queue.append(msg)
             elif isinstance(msg, Ack):
@@ -593,12 +601,12 @@ class World:
                 self.rng.random() < 0.7
             ):
                 body.said_started = True
-                w.outbox.append(Started(body.call_id))
+                w.outbox.append(StartedMessage(body.call_id))
             return
         body.steps += 1
         tool = body.tool.removeprefix("x_")  # (extra's tools behave as their namesakes)
         if body.said_started and self.rng.random() < 0.3:  # (only once said started)
-            w.outbox.append(Progress(body.call_id, float(body.steps), None, None))
+            w.outbox.append(ProgressMessage(body.call_id, float(body.steps), None, None))
         if tool == "crash":
             self.die(w, 1)
         elif tool == "quick" or (tool == "slow" and body.steps >= 3):
@@ -697,6 +705,10 @@ class World:
 
     def check(self) -> None:
         core = self.core
+        try:
+            core.check()  # the machine's own invariants, at the records' fields
+        except AssertionError as exc:
+            raise Violation(f"the machine's invariant broke: {exc!r}") from exc
         # Two-level liveness: the core says a worker is hung exactly when it has read
         # neither hello nor heartbeat from it for HUNG_AFTER; one that beats never is.
         for wid, core_w in core.workers.items():
@@ -738,7 +750,7 @@ class World:
                 if w.provider is not p:
                     raise Violation(f"{w!r} idle in the wrong provider {p!r}")
         for p in [*core.providers.values(), *core.pending.values()]:
-            serving = core._serving_count(p)
+            serving = core.fleet.serving_count(p)
             if serving > p.spec.size + p.spec.warm_spares:
                 raise Violation(f"{p!r} has {serving} workers serving, sized {p.spec.size}")
             policy = p.autoscale
@@ -916,7 +928,15 @@ def shape(seed: int) -> dict[str, Any]:
 
 
 def run(seed: int, steps: list[tuple[Any, ...]]) -> World:
-    """Replay one schedule exactly; raises :class:`Violation` where an invariant breaks."""
+    """Replay one schedule exactly; raises :class:`Violation` where an invariant breaks (or
+    a record of the machine is asked to move where its transition table forbids)."""
+    try:
+        return _run(seed, steps)
+    except IllegalMove as exc:
+        raise Violation(str(exc)) from exc
+
+
+def _run(seed: int, steps: list[tuple[Any, ...]]) -> World:
     world = World(seed, **shape(seed))
     world.core.start(world.now)
     world.flush()

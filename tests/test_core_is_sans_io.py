@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "toolpool"
-CORE = ("_records", "_state", "_settlement", "_dispatch", "_escalation", "_lifecycle", "_core")
+MACHINE = SRC / "supervisor" / "machine"
+CORE = sorted(p.name for p in MACHINE.glob("*.py"))
 FORBIDDEN_MODULES = {"anyio", "zmq", "socket", "subprocess", "select", "selectors", "asyncio"}
 FORBIDDEN_CALLS = {
     ("os", name)
@@ -30,15 +31,22 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
+def test_every_part_of_the_machine_is_checked() -> None:
+    assert {"_machine.py", "_state.py", "_records.py", "_settlement.py", "_lifecycle.py"} <= set(
+        CORE
+    ), CORE
+
+
 @pytest.mark.parametrize("module", CORE)
 def test_the_core_does_no_io(module: str) -> None:
-    path = SRC / "supervisor" / f"{module}.py"
+    path = MACHINE / module
     imports = _imports(path)
     assert not {i.split(".")[0] for i in imports} & FORBIDDEN_MODULES, imports
     assert "os" not in imports, imports
     assert "time" not in imports, imports
     # ... and none of the shell's modules (which do the I/O).
-    assert not imports & {"._pool", "._channels", "._workerio", "._calls"}, imports
+    shell = {p.stem for p in (SRC / "supervisor").glob("*.py")} - {"_results", "__init__"}
+    assert not {i for i in imports if i.startswith("..") and i[2:] in shell}, imports
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
@@ -59,3 +67,48 @@ def test_worker_and_supervisor_never_import_each_other_and_the_leaves_stay_leave
                         path.name,
                         imported,
                     )
+
+
+def test_no_import_circle_in_the_supervisor() -> None:
+    """The supervisor's modules (the shell, and the machine's parts) import each other in
+    layers: no module imports, through any chain, one that imports it (counting imports for
+    type checking only)."""
+    graph: dict[str, set[str]] = {}
+    for path in [*(SRC / "supervisor").glob("*.py"), *MACHINE.glob("*.py")]:
+        here = "machine." if path.parent == MACHINE else ""
+        name = here + path.stem
+        edges = graph.setdefault(name, set())
+        for imported in _imports(path):
+            if here and imported.startswith("..") and not imported.startswith("..."):
+                target = imported[2:]  # a shell module, from the machine
+            elif imported.startswith(".") and not imported.startswith(".."):
+                target = here + imported[1:]
+            else:
+                continue
+            if target and not target.endswith("__init__"):
+                edges.add(target.rstrip("."))
+    assert len(graph) > 15, graph
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in graph.get(start, ()):
+            if nxt == goal or (nxt not in seen and (seen.add(nxt) or reaches(nxt, goal, seen))):
+                return True
+        return False
+
+    for name, edges in graph.items():
+        for target in edges:
+            assert not reaches(target, name, set()), f"{name} -> {target} -> ... -> {name}"
+
+
+def test_no_two_classes_of_the_processes_share_a_name() -> None:
+    """A class name says which one it is: the wire's messages (``protocol/``), the
+    supervisor's public objects and the machine's actions never share one (``Result`` was
+    both the wire's message and the caller's result)."""
+    where: dict[str, list[str]] = {}
+    for part in ("protocol", "supervisor", "reaper", "worker", "core"):
+        for path in sorted((SRC / part).rglob("*.py")):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    where.setdefault(node.name, []).append(str(path.relative_to(SRC)))
+    assert len(where) > 50, where
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}

@@ -556,17 +556,15 @@ def test_a_worker_that_says_a_tool_runs_elsewhere_than_the_others_say_is_refused
     says otherwise than the workers before it breaks the protocol, and changes nothing: calls
     never queue behind an async body on its word. (White box: the pool's core, fed hellos
     directly.)"""
-    from core_support import FakeProbe
+    from core_support import FakeProbe, serve
     from toolpool.protocol import PROTOCOL_VERSION, Hello
-    from toolpool.supervisor._core import PoolCore
-    from toolpool.supervisor._records import WorkerRecord
     from toolpool.supervisor._results import WorkerState
-    from toolpool.supervisor._state import CoreConfig
+    from toolpool.supervisor.machine import CoreConfig, Machine, ProviderSpec, WorkerRecord
 
-    core = PoolCore(CoreConfig(tools_spec="x:y", size=2), FakeProbe(), lambda: b"s" * 32)
+    core = Machine(CoreConfig(), FakeProbe(), lambda: b"s" * 32)
+    core.add_provider("default", ProviderSpec(tools_spec="x:y", size=2), 0.0)
     core.starting = False
-    provider = core.pending["default"]
-    provider.starting = False  # (after its start: a start failure does not fail it at once)
+    provider = serve(core, [])  # (after its start: a start failure does not fail it at once)
     first, second = (WorkerRecord(wid, b"s" * 32, provider) for wid in (1, 2))
     for w in (first, second):
         core.workers[w.wid] = w

@@ -170,12 +170,12 @@ def _frame(*parts: object) -> bytes:
 def test_heartbeat_and_progress_frames_are_validated() -> None:
     from toolpool.protocol import (
         Heartbeat,
+        ProgressMessage,
         ProtocolViolation,
         decode_from_supervisor,
         decode_from_worker,
         encode,
     )
-    from toolpool.protocol import Progress as ProgressMessage
 
     for message in (
         Heartbeat(),
@@ -209,13 +209,12 @@ def test_heartbeat_and_progress_frames_are_validated() -> None:
 def test_the_core_tells_hung_from_answering_and_refuses_stray_progress() -> None:
     """White box, no processes: the core's clock is its events' ``now``."""
     from core_support import core_with_workers
-    from toolpool.protocol import Heartbeat
-    from toolpool.protocol import Progress as ProgressMessage
+    from toolpool.protocol import Heartbeat, ProgressMessage
 
     core, (w1, w2), _ = core_with_workers(2, heartbeat=1.0)
     for w in (w1, w2):
         w.answered = False  # (as before its hello: from it the heartbeat is expected)
-        core._on_heartbeat(w)
+        core.lifecycle.on_heartbeat(w)
         w.answered = True
     core.heartbeat(1, 2.5)
     core.timer(3.0)  # w2 silent since 0 for 3 intervals: hung; w1 heard at 2.5: not

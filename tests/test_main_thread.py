@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 import toolpool
-import toolpool.supervisor._dispatch as dispatch_module
+import toolpool.supervisor.machine._dispatch as dispatch_module
 from pool_support import running_pool
 from toolpool import CancelController, Outcome, Rung
 

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import toolpool
 import toolpool.metrics
 from pool_support import Readiness, running_pool
-from toolpool.supervisor._state import KILL_TO_REAPED_BOUNDS, SETTLE_LATENCY_BOUNDS
+from toolpool.supervisor.machine import KILL_TO_REAPED_BOUNDS, SETTLE_LATENCY_BOUNDS
 
 pytestmark = pytest.mark.anyio
 

@@ -20,10 +20,13 @@ import toolpool
 from core_support import serve
 from pool_support import FakeWorkerSocket
 from toolpool import Outcome
-from toolpool.protocol import Call, Result, Started, decode_from_supervisor, encode, pack_value
-from toolpool.supervisor._records import WorkerRecord
+from toolpool.protocol import CallMessage as Call
+from toolpool.protocol import ResultMessage as Result
+from toolpool.protocol import StartedMessage as Started
+from toolpool.protocol import decode_from_supervisor, encode, pack_value
 from toolpool.supervisor._results import WorkerState
 from toolpool.supervisor._workerio import WorkerIO
+from toolpool.supervisor.machine import WorkerRecord
 
 CALLS = 3000  # several times Python's default recursion limit, in calls
 
@@ -63,7 +66,7 @@ async def test_serving_a_fast_worker_does_not_nest_per_call(anyio_backend: str) 
         # Queue every call first, then let the worker become ready: one pump serves them all.
         calls = [pool.submit("noop") for _ in range(CALLS)]
         p.ready.append(w)
-        core._dispatch()  # the first call; each later one is dispatched from a result
+        core.dispatch.schedule()  # the first call; each later one is dispatched from a result
         pool._pump()
         results: list[Any] = [call.result() for call in calls]
         io.close_files()

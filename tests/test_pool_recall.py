@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-import toolpool.supervisor._dispatch as dispatch_module
+import toolpool.supervisor.machine._dispatch as dispatch_module
 from core_support import core_with_workers, sent
 from toolpool.protocol import Recall, Withdrawn, decode_from_supervisor
-from toolpool.supervisor._records import CallRecord
+from toolpool.supervisor.machine import CallRecord
 
 #: Older than any QUEUE_BEHIND_FOR these tests set.
 LONG_AGO = 10 * 3600.0
@@ -46,7 +46,7 @@ def test_a_call_back_in_the_pools_queue_is_not_marked_as_being_recalled(
     out += core.flush(now)
     assert list(w2.calls) == [head2]
     # w1 was asked for a back (an idle worker's steal, say); its answer comes next.
-    assert core._recall(w1, a)
+    assert core.dispatch.recall(w1, a)
     out += core.flush(now)
     # w1's first call is now old: its answer puts a at the front of the pool's queue, then
     # behind w2's young first call; the same pass recalls b from behind w1's old call.
@@ -58,6 +58,6 @@ def test_a_call_back_in_the_pools_queue_is_not_marked_as_being_recalled(
     assert recalled(sent(out, w1.wid)) == [a.id, b.id]
     # Now w2's first call is old too: a is taken back from behind it.
     w2.head_since = now - LONG_AGO
-    core._dispatch()
+    core.dispatch.schedule()
     out = core.flush(now)
     assert recalled(sent(out, w2.wid)) == [a.id]

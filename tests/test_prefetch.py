@@ -23,7 +23,7 @@ import anyio.lowlevel
 import pytest
 
 import toolpool
-import toolpool.supervisor._dispatch as dispatch_module
+import toolpool.supervisor.machine._dispatch as dispatch_module
 from pool_support import Readiness, new_marker, running_pool
 from toolpool import Outcome, Rung
 

@@ -16,7 +16,6 @@ from toolpool.protocol import (
     OUTCOME_NAMES,
     PROTOCOL_VERSION,
     Ack,
-    Call,
     Cancel,
     CancelAck,
     Fatal,
@@ -25,10 +24,8 @@ from toolpool.protocol import (
     Pong,
     ProtocolViolation,
     Recall,
-    Result,
     Resume,
     Shutdown,
-    Started,
     Withdrawn,
     decode_from_supervisor,
     decode_from_worker,
@@ -36,6 +33,9 @@ from toolpool.protocol import (
     pack_value,
     unpack_value,
 )
+from toolpool.protocol import CallMessage as Call
+from toolpool.protocol import ResultMessage as Result
+from toolpool.protocol import StartedMessage as Started
 
 WORKER_TYPES = (Hello, Fatal, Started, CancelAck, Withdrawn, Result, Pong)
 SUPERVISOR_TYPES = (Call, Cancel, Recall, Resume, Ack, Ping, Shutdown)

@@ -78,3 +78,24 @@ def test_the_executor_errors_read_toolpool_x_from_their_first_raise() -> None:
     assert (
         done.stderr.strip().splitlines()[-1] == "toolpool.RemoteTraceback: the worker's traceback"
     )
+
+
+def test_one_export_list_sorted_and_the_type_checkers_imports_agree_with_it() -> None:
+    """``__all__`` (what static tools read) and the lazy loader's map of where each name
+    lives name the same names, both sorted; the imports for type checkers import each from
+    the module the map says."""
+    import ast
+    from pathlib import Path
+
+    exports: dict[str, str] = vars(toolpool)["_EXPORTS"]
+    assert list(toolpool.__all__) == sorted(toolpool.__all__)
+    assert list(exports) == sorted(exports)
+    assert set(toolpool.__all__) == set(exports) | {"__version__"}
+    tree = ast.parse(Path(toolpool.__file__).read_text())
+    typed: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom), ast.unparse(imp)
+                typed.update({alias.name: imp.module or "" for alias in imp.names})
+    assert typed == exports

@@ -242,7 +242,7 @@ async def test_a_reaper_that_never_starts_again_breaks_the_pool_clearly(
 ) -> None:
     """Every replacement dies as it starts: after three attempts the pool is broken, and says
     why; closing it still removes everything it made."""
-    from toolpool.supervisor._lifecycle import REAPER_START_ATTEMPTS
+    from toolpool.supervisor.machine import REAPER_START_ATTEMPTS
 
     pool = toolpool.Pool(TOOLS, workers=1)
     async with pool:

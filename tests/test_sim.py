@@ -4,6 +4,8 @@ many more). A failure names its seed and the shrunk steps that replay it."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -41,9 +43,9 @@ def test_a_schedule_replays_exactly() -> None:
 def test_a_broken_promise_is_caught_and_shrunk(monkeypatch: pytest.MonkeyPatch) -> None:
     """The checks can fail: a core that believes no ledger (every call never taken up)
     reports bodies that ran as never started, and the simulation says so, with a seed."""
-    from toolpool.supervisor._settlement import Settlement
+    from toolpool.supervisor.machine._settlement import Settlement
 
-    monkeypatch.setattr(Settlement, "_read_ledger", lambda self, w: (0, 0))
+    monkeypatch.setattr(Settlement, "read_ledger", lambda self, w: (0, 0))
     summary = sim_world.simulate(0, 200, 300)
     assert summary.failures
     seed, error, shrunk = summary.failures[0]
@@ -64,14 +66,14 @@ def test_a_broken_promise_is_caught_and_shrunk(monkeypatch: pytest.MonkeyPatch) 
 def test_the_unkillable_checks_can_fail(
     monkeypatch: pytest.MonkeyPatch, broken: str, caught: str
 ) -> None:
-    from toolpool.supervisor._lifecycle import Lifecycle
+    from toolpool.supervisor.machine._lifecycle import Lifecycle
 
     def overdue(self: Lifecycle, wid: int) -> None:
-        w = self.workers.get(wid)
+        w = self.s.workers.get(wid)
         if broken == "gone" and w is not None and not w.gone:
-            self._worker_gone(w)
+            self.worker_gone(w)
 
-    monkeypatch.setattr(Lifecycle, "_kill_overdue", overdue)
+    monkeypatch.setattr(Lifecycle, "kill_overdue", overdue)
     summary = sim_world.simulate(0, 300, 300)
     assert summary.failures
     seed, error, shrunk = summary.failures[0]
@@ -84,12 +86,89 @@ def test_the_unkillable_checks_can_fail(
 def test_the_max_calls_checks_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
     """Schedules run with ``max_calls_per_worker`` (1 or 3) half the time; a core that
     never retires a worker that served them all is caught."""
-    from toolpool.supervisor import _dispatch
+    from toolpool.supervisor.machine import _dispatch
 
     monkeypatch.setattr(_dispatch, "_used_up", lambda w: False)
     summary = sim_world.simulate(1000, 300, 300)
     assert summary.failures
-    seed, error, shrunk = summary.failures[0]
+    _seed, error, _shrunk = summary.failures[0]
     assert "max_calls" in error, error
+
+
+def _kill_at_once_on_force(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forced cancel SIGKILLs its worker at once, even while the call waits behind
+    another (whose body nobody cancelled)."""
+    from toolpool.supervisor.machine._ladder import Ladder
+
+    cancel = Ladder.cancel
+
+    def broken(self: Ladder, call: Any, cause: Any, *, force: bool) -> None:
+        w = call._worker
+        if force and w is not None and call._result is None:
+            self.settlement.record_cause(call, cause)
+            call._forced = True
+            self._kill(w, call)
+            return
+        cancel(self, call, cause, force=force)
+
+    monkeypatch.setattr(Ladder, "cancel", broken)
+
+
+def _no_group_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine never sees a group cancelled: its later calls are queued and sent."""
+    from toolpool.supervisor.machine import GroupRecord
+
+    monkeypatch.setattr(GroupRecord, "cancelled", property(lambda self: False))
+
+
+def _settle_on_kill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call settles as killed when its worker's SIGKILL is asked, not once its tree is
+    gone."""
+    from toolpool.core import Outcome
+    from toolpool.supervisor.machine._ladder import Ladder
+
+    kill = Ladder._kill
+
+    def broken(self: Ladder, w: Any, call: Any) -> None:
+        kill(self, w, call)
+        self.settlement.settle(
+            call, Outcome.KILLED, error="killed", error_name="Killed", body_started=None
+        )
+
+    monkeypatch.setattr(Ladder, "_kill", broken)
+
+
+def _ledger_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The post-mortem believes no ledger: every call of a dead worker never taken up."""
+    from toolpool.supervisor.machine._settlement import Settlement
+
+    monkeypatch.setattr(Settlement, "read_ledger", lambda self, w: (0, 0))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("bug", "caught"),
+    [
+        (_kill_at_once_on_force, ("which nobody cancelled",)),
+        (_no_group_check, ("sent after their group's cancel",)),
+        (_settle_on_kill, ("while worker",)),
+        (_ledger_ignored, ("but its body ran", "ran 2 times")),
+    ],
+    ids=["kill at once on force", "no group check", "settle on kill", "ledger ignored"],
+)
+def test_the_four_deliberate_bugs_are_caught_through_the_machines_parts(
+    monkeypatch: pytest.MonkeyPatch,
+    bug: Callable[[pytest.MonkeyPatch], None],
+    caught: tuple[str, ...],
+) -> None:
+    """Each of the four bugs the simulation was first checked against, put into the part
+    of the machine where it would live, is caught within a few dozen schedules, and its
+    shrunk schedule replays the failure."""
+    bug(monkeypatch)
+    summary = sim_world.simulate(0, 300, 300)
+    assert summary.failures, "not caught"
+    seed, error, shrunk = summary.failures[0]
+    assert any(text in error for text in caught), error
+    assert seed < 100, f"caught only at seed {seed}"
     with pytest.raises(sim_world.Violation):
         sim_world.run(seed, shrunk)

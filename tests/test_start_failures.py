@@ -14,9 +14,8 @@ import pytest
 from core_support import core_with_workers
 from toolpool.core import WorkerStartError
 from toolpool.protocol import PROTOCOL_VERSION, Hello
-from toolpool.supervisor._core import PoolCore
-from toolpool.supervisor._records import Spawn
 from toolpool.supervisor._results import WorkerState
+from toolpool.supervisor.machine import Machine, Spawn
 
 
 class Clock:
@@ -24,12 +23,12 @@ class Clock:
         self.now = 0.0
 
 
-def _starting(core: PoolCore) -> int:
+def _starting(core: Machine) -> int:
     (wid,) = [w.wid for w in core.workers.values() if w.state is WorkerState.SPAWNING]
     return wid
 
 
-def _sigkill_at_start(core: PoolCore, clock: Clock) -> None:
+def _sigkill_at_start(core: Machine, clock: Clock) -> None:
     """The starting worker is SIGKILLed from outside before its hello; the pool's back-off
     passes and it starts the next one (unless it stopped)."""
     wid = _starting(core)
@@ -42,7 +41,7 @@ def _sigkill_at_start(core: PoolCore, clock: Clock) -> None:
     core.flush(clock.now)
 
 
-def _hello(core: PoolCore, clock: Clock) -> None:
+def _hello(core: Machine, clock: Clock) -> None:
     wid = _starting(core)
     pid = 2000 + wid
     core.spawned(wid, pid, "fork", clock.now)
@@ -52,7 +51,7 @@ def _hello(core: PoolCore, clock: Clock) -> None:
     assert core.workers[wid].state is WorkerState.READY
 
 
-def _lose_ready_worker(core: PoolCore, clock: Clock) -> None:
+def _lose_ready_worker(core: Machine, clock: Clock) -> None:
     (w,) = core.ready
     core.exited(w.wid, -9, 0, clock.now)
     core.gone(w.wid, clock.now)

@@ -18,13 +18,29 @@ from typing import TYPE_CHECKING, Any, TextIO
 import anyio
 
 from ._interrupts import EXIT_INTERRUPTED, Interrupts, say
-from .core import ToolpoolError, WorkerStartError
+from .core import DEFAULT_GRACES, Graces, ToolpoolError, WorkerStartError
 
 #: The reader of stdout went away: 128 + SIGPIPE, as a shell reports a tool that SIGPIPE ended.
 EXIT_BROKEN_PIPE = 141
 
 if TYPE_CHECKING:
     from .supervisor import Call, Result
+
+
+def _add_grace_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cancel-grace",
+        type=float,
+        default=DEFAULT_GRACES.cancel,
+        help="seconds a cancelled call has to stop before SIGTERM "
+        f"(default: {DEFAULT_GRACES.cancel:g})",
+    )
+    parser.add_argument(
+        "--term-grace",
+        type=float,
+        default=DEFAULT_GRACES.term,
+        help=f"seconds after SIGTERM before SIGKILL (default: {DEFAULT_GRACES.term:g})",
+    )
 
 
 def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
@@ -96,21 +112,6 @@ def _logging_to_stderr(level: str) -> Iterator[None]:
         log.removeHandler(handler)
         log.setLevel(saved[0])
         log.propagate = saved[1]
-
-
-def _add_grace_options(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=5.0,
-        help="seconds a cancelled call has to stop before SIGTERM (default: 5)",
-    )
-    cmd.add_argument(
-        "--term-grace",
-        type=float,
-        default=2.0,
-        help="seconds after SIGTERM before SIGKILL (default: 2)",
-    )
 
 
 def _add_run_output(
@@ -316,8 +317,9 @@ def _add_service(sub: Any) -> None:
     serve.add_argument(
         "--drain-grace",
         type=float,
-        default=30.0,
-        help="seconds running calls get when draining, before they are cancelled (default: 30)",
+        default=DEFAULT_GRACES.drain,
+        help="seconds running calls get when draining, before they are cancelled "
+        f"(default: {DEFAULT_GRACES.drain:g})",
     )
     _add_grace_options(serve)
     serve.add_argument(
@@ -522,7 +524,7 @@ async def _call(ns: argparse.Namespace) -> int:
         raise ValueError(f"args is not valid JSON: {exc}") from None
     if not isinstance(args, dict):
         raise ValueError("args must be a JSON object")
-    stop = Interrupts(ns.cancel_grace, ns.term_grace)
+    stop = Interrupts(Graces(cancel=ns.cancel_grace, term=ns.term_grace))
     progress = not ns.no_progress and sys.stderr.isatty()
 
     async def job() -> int:
@@ -796,9 +798,9 @@ async def _eval(ns: argparse.Namespace) -> int:
 
 
 def _demo() -> int:
-    from ._demo import CANCEL_GRACE, TERM_GRACE, run_demo
+    from ._demo import GRACES, run_demo
 
-    stop = Interrupts(CANCEL_GRACE, TERM_GRACE)
+    stop = Interrupts(GRACES)
     return anyio.run(stop.run, lambda: run_demo(sys.stdout, interrupts=stop))
 
 

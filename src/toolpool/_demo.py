@@ -16,11 +16,14 @@ import anyio
 import psutil
 
 from ._interrupts import Interrupts
+from .core import Graces
 from .supervisor import Call, Pool, Result
 
 EXAMPLES = "toolpool.testing.examples:registry"
 CANCEL_GRACE = 0.3
 TERM_GRACE = 0.3
+#: The demo's graces: short, so that its kill shows at once.
+GRACES = Graces(cancel=CANCEL_GRACE, term=TERM_GRACE)
 _MARKER = f"toolpool-demo-daemon-{os.getpid()}"
 
 
@@ -109,7 +112,7 @@ async def run_demo(out: TextIO, *, interrupts: Interrupts | None = None) -> int:
 
     With ``interrupts`` (the command line's), Ctrl-C stops the scenarios (see
     ``toolpool._interrupts``)."""
-    stop = interrupts or Interrupts(CANCEL_GRACE, TERM_GRACE)
+    stop = interrupts or Interrupts(GRACES)
     print(
         f"toolpool demo: 3 workers, cancel_grace={CANCEL_GRACE}s, term_grace={TERM_GRACE}s\n",
         file=out,

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from .core import Graces
+
 if TYPE_CHECKING:
     from .supervisor import Call, Result
 
@@ -30,12 +32,11 @@ def say(line: str) -> None:
     print(f"toolpool: {line}", file=sys.stderr, flush=True)
 
 
-def stopping_line(cancel_grace: float, term_grace: float, what: str = "stopping the pool") -> str:
+def stopping_line(graces: Graces, what: str = "stopping the pool") -> str:
     """What the first Ctrl-C says: what is stopped, and how."""
     return (
-        f"interrupted: {what}. Its calls are cancelled; one that does not stop within "
-        f"{cancel_grace:g}s gets SIGTERM, then SIGKILL {term_grace:g}s later. Ctrl-C again "
-        "to kill them now."
+        f"interrupted: {what}. Its calls are cancelled; {graces.ladder()}. Ctrl-C again to "
+        "kill them now."
     )
 
 
@@ -52,9 +53,8 @@ STOPPED_LINE = "stopped: every call settled and every process of the pool is gon
 class Interrupts:
     """Ctrl-C handling for one command run (see the module docstring)."""
 
-    def __init__(self, cancel_grace: float, term_grace: float) -> None:
-        self.cancel_grace = cancel_grace
-        self.term_grace = term_grace
+    def __init__(self, graces: Graces) -> None:
+        self.graces = graces
         self.count = 0
         """How many times Ctrl-C was pressed."""
         self._calls: list[Call] = []
@@ -115,7 +115,7 @@ class Interrupts:
     def _interrupted(self) -> None:
         self.count += 1
         if self.count == 1:
-            say(stopping_line(self.cancel_grace, self.term_grace))
+            say(stopping_line(self.graces))
             if self._scope is not None:
                 self._scope.cancel()
             return

@@ -52,11 +52,7 @@ def provider_statistics(pool: Pool) -> Mapping[str, Statistics]:
     providers are: those the pool has, and those it had (their counters stay, never going
     back). Calls no provider took (a tool gone by the time they were queued) are under
     ``""``, reported only when there are some."""
-    names = [name for name in pool._core.tallies if name]
-    out = {name: pool.statistics(name) for name in names}
-    if pool._core.tallies[""].submitted:
-        out[""] = pool.statistics("")
-    return out
+    return pool.provider_statistics()
 
 
 class PoolCollector(Collector):

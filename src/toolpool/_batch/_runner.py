@@ -25,7 +25,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from .._interrupts import EXIT_INTERRUPTED
-from ..core import Outcome, ToolpoolError, UnknownToolError
+from ..core import DEFAULT_GRACES, Graces, Outcome, ToolpoolError, UnknownToolError
 from ..sandbox import Profile
 from ..supervisor import Call, Group, Pool
 from ._input import SKIPPED, Id, Job, PipeLines, Rejection, count_lines, read_jobs
@@ -78,8 +78,8 @@ class BatchOptions:
     rerun: frozenset[str] = frozenset()
     """Outcomes whose records a resumed run forgets, so that their calls run again (where
     a body started, only with ``idempotent``)."""
-    cancel_grace: float = 5.0
-    term_grace: float = 2.0
+    cancel_grace: float = DEFAULT_GRACES.cancel
+    term_grace: float = DEFAULT_GRACES.term
     servers: tuple[str, ...] = ()
     """MCP endpoints of toolpool services to send the calls to, instead of a pool of this
     process's own; :attr:`workers` is then how many calls are in flight at once."""
@@ -599,8 +599,8 @@ class Batch:
             if self._interrupts == 1:
                 o = self.options
                 self._say(
-                    f"{what}: stopping. Every call is cancelled; one that does not stop within "
-                    f"{o.cancel_grace:g}s gets SIGTERM, then SIGKILL {o.term_grace:g}s later. "
+                    f"{what}: stopping. Every call is cancelled; "
+                    f"{Graces(cancel=o.cancel_grace, term=o.term_grace).ladder()}. "
                     "What settles is recorded. Ctrl-C again to kill them now."
                 )
                 self._stop()

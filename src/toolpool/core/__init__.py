@@ -1,4 +1,4 @@
-"""What both sides of toolpool share: cancel causes and signals, outcomes, errors.
+"""What both sides of toolpool share: cancel causes and signals, outcomes, errors, graces.
 
 A leaf: stdlib only (anyio is imported lazily by ``CancelSignal.wait``).
 """
@@ -16,6 +16,7 @@ from ._errors import (
     WorkerLost,
     WorkerStartError,
 )
+from ._graces import DEFAULT_GRACES, Graces, check_seconds
 from ._outcomes import (
     ABORT_ERROR_NAME,
     ABORTED_BEFORE_DISPATCH_TEXT,
@@ -38,6 +39,7 @@ __all__ = (
     "ABORT_ERROR_NAME",
     "BODY_STARTED",
     "CALLER_KINDS",
+    "DEFAULT_GRACES",
     "RUNTIME_KINDS",
     "AbortError",
     "CallbackHandle",
@@ -47,6 +49,7 @@ __all__ = (
     "CauseKind",
     "ConfigurationError",
     "Fusion",
+    "Graces",
     "Outcome",
     "PoolClosedError",
     "RemoteProtocolError",
@@ -57,6 +60,7 @@ __all__ = (
     "WorkerLost",
     "WorkerStartError",
     "cancel_with_runtime_cause",
+    "check_seconds",
     "fuse",
     "validate_cause",
 )

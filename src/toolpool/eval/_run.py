@@ -18,7 +18,7 @@ from typing import IO, Any, Final, final
 
 from .._batch import SKIPPED, Batch, BatchOptions, Job, Rejection, Summary, Watcher, encode
 from .._interrupts import say as _say_on_stderr
-from ..core import Outcome
+from ..core import DEFAULT_GRACES, Outcome
 from ..sandbox import Profile
 from ._child import readable_dirs
 from ._formats import Problem, TaskId, mean_pass_at_k, open_lines, pass_at_k, read_problems
@@ -278,8 +278,8 @@ async def run(
     time_limit: float = 3.0,
     k: Sequence[int] = DEFAULT_K,
     allow_weak_jail: bool = False,
-    cancel_grace: float = 5.0,
-    term_grace: float = 2.0,
+    cancel_grace: float = DEFAULT_GRACES.cancel,
+    term_grace: float = DEFAULT_GRACES.term,
     say: Callable[[str], None] = _say_on_stderr,
     watcher: Watcher | None = None,
 ) -> EvalReport:
@@ -320,8 +320,8 @@ async def evaluate(
     time_limit: float = 3.0,
     k: Sequence[int] = DEFAULT_K,
     allow_weak_jail: bool = False,
-    cancel_grace: float = 5.0,
-    term_grace: float = 2.0,
+    cancel_grace: float = DEFAULT_GRACES.cancel,
+    term_grace: float = DEFAULT_GRACES.term,
     say: Callable[[str], None] = _say_on_stderr,
 ) -> EvalReport:
     """Score every sample of ``samples`` against its problem in ``problems`` and append one

@@ -21,7 +21,7 @@ __all__ = (
     "Ack",
     "OUTCOME_NAMES",
     "PROTOCOL_VERSION",
-    "Call",
+    "CallMessage",
     "Cancel",
     "CancelAck",
     "Fatal",
@@ -29,13 +29,13 @@ __all__ = (
     "Hello",
     "Ping",
     "Pong",
-    "Progress",
+    "ProgressMessage",
     "ProtocolViolation",
     "Recall",
-    "Result",
+    "ResultMessage",
     "Resume",
     "Shutdown",
-    "Started",
+    "StartedMessage",
     "SupervisorMessage",
     "Withdrawn",
     "WorkerMessage",
@@ -105,7 +105,7 @@ class Fatal:
 
 
 @dataclass(frozen=True, slots=True)
-class Started:
+class StartedMessage:
     """The body of call ``call_id`` was invoked and has not returned yet. Sent only for a
     body still running a moment after it was invoked: a result says the rest."""
 
@@ -140,7 +140,7 @@ class Heartbeat:
 
 
 @dataclass(frozen=True, slots=True)
-class Progress:
+class ProgressMessage:
     """What the body of call ``call_id`` last reported of its progress (the latest value
     wins: the worker coalesces reports, and sends at most one per its progress interval)."""
 
@@ -167,7 +167,7 @@ class Withdrawn:
 
 
 @dataclass(frozen=True, slots=True)
-class Result:
+class ResultMessage:
     """The settled result of call ``call_id``. ``value`` is the msgpack-packed value (or None)."""
 
     call_id: int
@@ -215,7 +215,7 @@ class Pong:
 
 
 @dataclass(frozen=True, slots=True)
-class Call:
+class CallMessage:
     """Run tool ``tool`` with ``args`` (a packed msgpack map) as call ``call_id``, after any
     call sent before it. ``acked``: how many results the supervisor has received from this
     worker so far (the worker may reuse the ledger slots that held them)."""
@@ -298,9 +298,17 @@ class Shutdown:
 
 
 WorkerMessage: TypeAlias = (
-    Hello | Fatal | Started | CancelAck | Withdrawn | Result | Pong | Heartbeat | Progress
+    Hello
+    | Fatal
+    | StartedMessage
+    | CancelAck
+    | Withdrawn
+    | ResultMessage
+    | Pong
+    | Heartbeat
+    | ProgressMessage
 )
-SupervisorMessage: TypeAlias = Call | Cancel | Recall | Resume | Ack | Ping | Shutdown
+SupervisorMessage: TypeAlias = CallMessage | Cancel | Recall | Resume | Ack | Ping | Shutdown
 
 
 # --------------------------------------------------------------------------- codec
@@ -470,7 +478,7 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
             raise ProtocolViolation("body_started must be a boolean")
         if type(body[6]) is not dict or not all(type(k) is str for k in body[6]):
             raise ProtocolViolation("context must be a map with string keys")
-        return Result(
+        return ResultMessage(
             _int_id(body[0], "call_id"),
             outcome,
             _bin(body[2], "value", optional=True),
@@ -483,7 +491,7 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
         )
     if kind == "started":
         _arity(body, 1, kind)
-        return Started(_int_id(body[0], "call_id"))
+        return StartedMessage(_int_id(body[0], "call_id"))
     if kind == "cancel_ack":
         _arity(body, 1, kind)
         return CancelAck(_int_id(body[0], "call_id"))
@@ -498,7 +506,7 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
         return Heartbeat()
     if kind == "progress":
         _arity(body, 4, kind)
-        return Progress(
+        return ProgressMessage(
             _int_id(body[0], "call_id"),
             _amount(body[1], "done"),
             None if body[2] is None else _amount(body[2], "total"),
@@ -537,7 +545,7 @@ def decode_from_supervisor(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) ->
     kind, body = _frame(frame, max_len)
     if kind == "call":
         _arity(body, 4, kind)
-        return Call(
+        return CallMessage(
             _int_id(body[0], "call_id"),
             _text(body[1], "tool", _MAX_NAME),
             _bin(body[2], "args"),

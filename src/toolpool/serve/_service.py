@@ -24,7 +24,7 @@ from typing import Any, Final, Literal, Protocol, final
 import anyio
 import anyio.abc
 
-from ..core import ToolpoolError
+from ..core import DEFAULT_GRACES, ToolpoolError
 from ..supervisor import (
     Pool,
     PoolEvent,
@@ -91,9 +91,9 @@ class ServiceOptions:
     """The bearer token callers of ``/mcp`` must send; required for a non-loopback host."""
     control: str | None = None
     """The control socket's path (default: :func:`toolpool.serve.default_control_path`)."""
-    cancel_grace: float = 5.0
-    term_grace: float = 2.0
-    drain_grace: float = 30.0
+    cancel_grace: float = DEFAULT_GRACES.cancel
+    term_grace: float = DEFAULT_GRACES.term
+    drain_grace: float = DEFAULT_GRACES.drain
     """Seconds running calls get to finish when the service drains (and when a provider is
     reloaded or shrunk), before a ``disposed`` cancel and the ladder."""
     timeout: float | None = None

@@ -1,27 +1,70 @@
 """The public faces of a call and of a group (turn): what callers await and cancel.
 
-Each extends the core's record (``_records.py``) with anyio events to wait on; every decision
-about them is the core's, reached through the pool (``_pool.py``).
+Each extends the machine's record (``machine/_records.py``) with anyio events to wait on;
+every decision about them is the machine's, reached through the pool. Calls, groups and maps
+talk to their pool through :class:`PoolPort`, a small interface (the pool's side:
+``_pool.Port``), never through its private attributes; so this module, and ``_map.py``,
+import nothing of ``_pool.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Generator, Mapping
+from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import Any, Final, Protocol, final
 
 import anyio
 
 from ..core import CancelCause, PoolClosedError, cancel_with_runtime_cause, validate_cause
-from ._records import CallRecord, GroupRecord
 from ._results import Progress, Result
+from .machine import CallRecord, GroupRecord
 
-if TYPE_CHECKING:
-    from ._pool import Pool
-
-__all__ = ("Call", "Group", "await_call")
+__all__ = ("Call", "Group", "PoolPort", "await_call")
 
 _PARENT: Final = CancelCause("parent")
+
+
+class PoolPort(Protocol):
+    """What a call, a group and a map may ask of their pool."""
+
+    @property
+    def catalog(self) -> Mapping[str, Mapping[str, Any]]:
+        """The tools the pool's providers have (``Pool.catalog``)."""
+
+    @property
+    def size(self) -> int:
+        """The default provider's workers (``Pool.size``)."""
+
+    @property
+    def prefetch(self) -> int:
+        """Calls a busy worker may hold queued (``Pool.prefetch``)."""
+
+    def check_open(self) -> None:
+        """Raise :class:`toolpool.PoolClosedError` (or why the pool broke) unless it serves."""
+
+    def submit_call(
+        self,
+        tool: str,
+        args: Mapping[str, Any] | None,
+        *,
+        timeout: float | None,
+        group: Group | None,
+        index: int | None = None,
+    ) -> Call:
+        """Check, submit and return a new call (``index``: its place in a map's input)."""
+
+    def cancel_call(self, call: Call, cause: CancelCause, *, force: bool) -> None:
+        """Cancel ``call`` (a validated cause); nothing if it settled."""
+
+    def cancel_group(self, group: Group, cause: CancelCause) -> None:
+        """``group`` was cancelled: cancel its calls, queued ones first."""
+
+    def new_group(self) -> Group:
+        """A new group of this pool (``Pool.group``)."""
+
+    def batch(self) -> AbstractContextManager[None]:
+        """Submit many calls, then perform what they need in one go (a map's refill)."""
 
 
 @final
@@ -35,14 +78,14 @@ class Call(CallRecord):
         "_abandoned",
         "_event",
         "_on_settled",
-        "_pool",
+        "_port",
         "_progress_event",
         "_started_event",
     )
 
     def __init__(
         self,
-        pool: Pool,
+        port: PoolPort,
         call_id: int,
         tool: str,
         args: bytes,
@@ -50,7 +93,7 @@ class Call(CallRecord):
         now: float,
     ) -> None:
         super().__init__(call_id, tool, args, group, now)
-        self._pool = pool
+        self._port = port
         self._event: anyio.Event | None = None
         self._started_event: anyio.Event | None = None
         self._abandoned: str | None = None  # the pool closed without settling it: why
@@ -68,7 +111,7 @@ class Call(CallRecord):
         of the worker's process tree. The first cause wins.
         """
         accepted = validate_cause(cause)
-        self._pool._cancel(self, accepted, force=force)
+        self._port.cancel_call(self, accepted, force=force)
 
     def done(self) -> bool:
         """True once the call has settled."""
@@ -179,9 +222,9 @@ class Group(GroupRecord):
     with cause ``parent`` (the calls are still tracked to settlement by the pool).
     """
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, port: PoolPort) -> None:
         super().__init__()
-        self._pool = pool
+        self._port = port
         self._controller.signal.add_callback(self._on_cancel)
 
     def submit(
@@ -189,7 +232,7 @@ class Group(GroupRecord):
     ) -> Call:
         """Submit a call in this group; after a cancel it settles at once as
         ``aborted_before_dispatch``."""
-        return self._pool._submit(tool, args, timeout=timeout, group=self)
+        return self._port.submit_call(tool, args, timeout=timeout, group=self)
 
     async def call(
         self, tool: str, args: Mapping[str, Any] | None = None, *, timeout: float | None = None
@@ -202,7 +245,7 @@ class Group(GroupRecord):
         return self._controller.cancel(cause)
 
     def _on_cancel(self, cause: CancelCause) -> None:
-        self._pool._group_cancelled(self, cause)
+        self._port.cancel_group(self, cause)
 
     async def wait(self) -> None:
         """Wait until every call submitted so far has settled."""
@@ -233,5 +276,5 @@ async def await_call(call: Call) -> Result:
     try:
         return await call.wait()
     except anyio.get_cancelled_exc_class():
-        call._pool._cancel(call, _PARENT, force=False)
+        call._port.cancel_call(call, _PARENT, force=False)
         raise

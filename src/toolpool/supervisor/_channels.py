@@ -1,7 +1,7 @@
 """The shell's channels: starting a worker (its socket, files, the reaper's spawn), reading
 what it sends, watching its connection; the reaper's reports; the clock (the core's timers);
 and, after the reaper died, ending its workers' trees without it and starting a new one.
-Each turns what happens into an event of the core (``_core.py``); ``_pump`` then performs
+Each turns what happens into an event of the machine (``machine/``); ``_pump`` then performs
 what the core asks."""
 
 from __future__ import annotations
@@ -27,30 +27,7 @@ from ..protocol import ProtocolViolation, decode_from_worker
 from ..reaper import ReaperClient
 from ..sandbox import Profile
 from ._containment import warn_inactive_layers
-from ._core import PoolCore
 from ._hosting import ProviderOptions
-from ._records import (
-    Action,
-    Changed,
-    Clean,
-    Close,
-    FirstHello,
-    Kill,
-    Orphaned,
-    Progressed,
-    ProviderDown,
-    ProviderResized,
-    ProviderUp,
-    RestartReaper,
-    Send,
-    Settled,
-    Spawn,
-    Started,
-    Terminate,
-    Unkillable,
-    WorkerDown,
-    WorkerUp,
-)
 from ._results import ContainmentReport, WorkerState
 from ._workerio import (
     KILL_WAIT,
@@ -66,6 +43,29 @@ from ._workerio import (
     wait_pid_gone,
     worker_env,
 )
+from .machine import (
+    Action,
+    Changed,
+    Clean,
+    Close,
+    FirstHello,
+    Kill,
+    Machine,
+    Orphaned,
+    Progressed,
+    ProviderDown,
+    ProviderUp,
+    Resized,
+    RestartReaper,
+    Send,
+    Settled,
+    Spawn,
+    Started,
+    Terminate,
+    Unkillable,
+    WorkerDown,
+    WorkerUp,
+)
 
 __all__ = ("Channels",)
 
@@ -78,7 +78,7 @@ _log = logging.getLogger("toolpool.supervisor")
 _PROVIDER_ACTIONS: Final = (
     ProviderUp,
     ProviderDown,
-    ProviderResized,
+    Resized,
     WorkerUp,
     WorkerDown,
     Unkillable,
@@ -97,7 +97,7 @@ class Channels:
     worker_output: str
     _env: Mapping[str, str] | None
     _options: dict[str, ProviderOptions]
-    _core: PoolCore
+    _core: Machine
     _io: dict[int, WorkerIO]
     _closing: set[WorkerIO]
     _ctx: zmq.Context[zmq.Socket[bytes]] | None

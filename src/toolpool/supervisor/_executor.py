@@ -29,9 +29,9 @@ from typing import Any, Final, Generic, Literal, TypeVar, final
 from ..core import ConfigurationError, Outcome, PoolClosedError, ToolpoolError
 from ..sandbox import Profile
 from ._calls import Call
-from ._records import CallState
 from ._results import Result
 from ._sync import SyncCall, SyncPool
+from .machine import CallState
 
 __all__ = (
     "CallFailed",

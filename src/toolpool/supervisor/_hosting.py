@@ -1,13 +1,12 @@
 """The shell's side of providers: their options, their containment, the public calls that
 add, remove, reload and resize them, and the events consumers mirror (``_events.py``).
 
-The decisions are the core's (``_providers.py``); this turns its provider actions into
+The decisions are the core's (``machine/_fleet.py``); this turns its provider actions into
 events for the listeners and waits, for the caller, until what it asked for holds.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -15,11 +14,16 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final
 
-from ..core import ConfigurationError, PoolClosedError, ToolConflictError, WorkerStartError
+from ..core import (
+    ConfigurationError,
+    PoolClosedError,
+    ToolConflictError,
+    WorkerStartError,
+    check_seconds,
+)
 from ..sandbox import Profile, parse_size
 from ..sandbox._cgroups import CgroupSet
 from ._containment import containment_report, supervisor_layers
-from ._core import PoolCore
 from ._events import (
     Listener,
     Listeners,
@@ -33,22 +37,28 @@ from ._events import (
     WorkerStarted,
     frozen_catalog,
 )
-from ._records import (
+from ._results import ContainmentReport
+from .machine import (
     Autoscale,
+    Machine,
     ProviderDown,
     ProviderRecord,
     ProviderSpec,
     ProviderUp,
+    Resized,
     Unkillable,
     WorkerDown,
     WorkerUp,
 )
-from ._records import (
-    ProviderResized as ResizedAction,
-)
-from ._results import ContainmentReport
 
-__all__ = ("DEFAULT_PREFETCH", "Hosting", "ProviderOptions", "provider_options")
+__all__ = (
+    "DEFAULT_PREFETCH",
+    "Hosting",
+    "ProviderOptions",
+    "check_pool_options",
+    "checked_profile",
+    "provider_options",
+)
 
 #: Calls a busy worker may hold queued (``Pool(prefetch=None)``), but see there. 16 (with 16
 #: results held back and 32 ledger slots of 32 KiB) took no-op throughput from 19.5k to 23k
@@ -106,16 +116,39 @@ def check_count(name: str, value: object, *, minimum: int) -> None:
         raise ValueError(f"{name} must be {what} integer, got {value!r}")
 
 
-def check_seconds(name: str, value: object, *, positive: bool = False) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-        or (positive and value == 0)
-    ):
-        what = "a positive" if positive else "a non-negative"
-        raise ValueError(f"{name} must be {what} number of seconds, got {value!r}")
+def check_pool_options(
+    *,
+    max_start_failures: object,
+    seconds: Mapping[str, object],
+    heartbeat: object,
+    worker_output: object,
+    max_frame: object,
+    start_method: object,
+) -> None:
+    """Check the options that are the pool's own (not a provider's); raise a clear error for
+    each bad one."""
+    check_count("max_start_failures", max_start_failures, minimum=1)
+    for name, value in {**seconds, "heartbeat": 1.0 if heartbeat is None else heartbeat}.items():
+        check_seconds(name, value)
+    if worker_output not in ("discard", "inherit"):
+        raise ValueError("worker_output must be 'discard' or 'inherit'")
+    if isinstance(max_frame, bool) or not isinstance(max_frame, int) or max_frame < 1024:
+        raise ValueError("max_frame must be an integer of at least 1024 bytes")
+    if start_method not in ("fork", "spawn"):
+        raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
+    if not seconds.get("unkillable_after", 1.0) > 0:  # type: ignore[operator]
+        raise ValueError("unkillable_after must be a positive number of seconds")
+    if heartbeat is not None and not heartbeat > 0:  # type: ignore[operator]
+        raise ValueError("heartbeat must be a positive number of seconds, or None")
+
+
+def checked_profile(profile: object) -> Profile:
+    """A profile, or its name (``"default"``, ``"untrusted"``), as a :class:`Profile`."""
+    if isinstance(profile, str):
+        profile = Profile.named(profile)
+    if not isinstance(profile, Profile):
+        raise TypeError(f"profile must be a toolpool.Profile or a name, not {profile!r}")
+    return profile
 
 
 def provider_options(
@@ -142,10 +175,7 @@ def provider_options(
         workers = default_workers()
     check_count("workers", workers, minimum=1)
     check_count("warm_spares", warm_spares, minimum=0)
-    if isinstance(profile, str):
-        profile = Profile.named(profile)
-    if not isinstance(profile, Profile):
-        raise TypeError(f"profile must be a toolpool.Profile or a name, not {profile!r}")
+    profile = checked_profile(profile)
     if prefetch is None:
         prefetch = 0 if profile.user is not None else DEFAULT_PREFETCH
     check_count("prefetch", prefetch, minimum=0)
@@ -197,7 +227,7 @@ class Hosting:
     # (the pool's, set in Pool.__init__ and Pool.start)
     max_frame: int
     start_timeout: float
-    _core: PoolCore
+    _core: Machine
     _options: dict[str, ProviderOptions]
     _listeners: Listeners
     _rollbacks: dict[int, tuple[BaseException, list[Listener]]]
@@ -323,7 +353,7 @@ class Hosting:
         want = workers + p.spec.warm_spares
         while not self._closing_now() and p.live:
             mine = [w for w in core.workers.values() if w.provider is p]
-            serving = [w for w in mine if core._serves(w)]
+            serving = [w for w in mine if core.fleet.serves(w)]
             ready = [w for w in serving if w.start_method is not None and w.answered]
             if len(mine) <= want and len(ready) >= want:
                 break
@@ -453,14 +483,14 @@ class Hosting:
     # ------------------------------------------------------------------ the core's actions
 
     def _on_provider_action(
-        self, action: ProviderUp | ProviderDown | ResizedAction | WorkerUp | WorkerDown | Unkillable
+        self, action: ProviderUp | ProviderDown | Resized | WorkerUp | WorkerDown | Unkillable
     ) -> None:
         listeners = self._listeners
         if isinstance(action, Unkillable):
             w = self._core.workers.get(action.wid)
             if w is not None:  # out of service now (its end, much later, is not told again)
                 listeners.emit(WorkerExited(w.pid, w.provider.name, "unkillable"))
-        elif isinstance(action, ResizedAction):
+        elif isinstance(action, Resized):
             options = self._options.get(action.provider.name)
             if options is not None:
                 options.workers = action.new

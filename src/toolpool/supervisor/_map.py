@@ -31,14 +31,12 @@ from typing import TYPE_CHECKING, Any, Final, final
 import anyio
 
 from ..core import CancelCause, PoolClosedError, UnknownToolError, cancel_with_runtime_cause
-from ._calls import Call, Group
+from ._calls import Call, Group, PoolPort
 from ._results import Result
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
     from anyio.from_thread import BlockingPortal
-
-    from ._pool import Pool
 
 __all__ = ("MapIterator", "SyncMapIterator", "drive_sync_map", "thread_safe_caller")
 
@@ -114,7 +112,7 @@ class MapIterator(AsyncIterator[Result]):
 
     def __init__(
         self,
-        pool: Pool,
+        pool: PoolPort,
         tool: str,
         args_iterable: Iterable[Any],
         *,
@@ -122,7 +120,7 @@ class MapIterator(AsyncIterator[Result]):
         ordered: bool = False,
         max_in_flight: int | None = None,
     ) -> None:
-        pool._check_open()
+        pool.check_open()
         if not isinstance(tool, str):
             raise TypeError(f"a tool name is a str, not {type(tool).__name__}")
         if tool not in pool.catalog:
@@ -154,7 +152,7 @@ class MapIterator(AsyncIterator[Result]):
         # pump of the pool, not one; the workers' queues stay full meanwhile (the default
         # window is twice what they hold).
         self._refill_at = max(1, max_in_flight // 4)
-        self._group = pool.group()
+        self._group = pool.new_group()
         self._collector = _Collector(ordered)
         self._window: collections.deque[Call] = collections.deque()  # ordered: not taken yet
         self._submitted = 0  # calls submitted: the next item's index
@@ -177,14 +175,8 @@ class MapIterator(AsyncIterator[Result]):
         slots is free, or none is out."""
         if not self._can_fill(released):
             return
-        pool = self._pool
-        pumping, pool._pumping = pool._pumping, True  # one pump for the whole batch
-        try:
+        with self._pool.batch():  # one pump for the whole batch
             self._submit_batch(self.max_in_flight - (self._submitted - released))
-        finally:
-            pool._pumping = pumping
-            if not pumping:
-                pool._pump()
 
     def _submit_batch(self, room: int) -> None:
         pool, tool, timeout, group = self._pool, self.tool, self._timeout, self._group
@@ -214,7 +206,7 @@ class MapIterator(AsyncIterator[Result]):
                     )
                     return
             try:
-                call = pool._submit(tool, args, timeout=timeout, group=group, index=index)
+                call = pool.submit_call(tool, args, timeout=timeout, group=group, index=index)
             except (TypeError, ValueError) as exc:
                 kind = TypeError if isinstance(exc, TypeError) else ValueError
                 error = kind(f"pool.map: the args at index {index}: {exc}")
@@ -439,7 +431,7 @@ class _Feed:
 
 
 async def drive_sync_map(
-    pool: Pool,
+    pool: PoolPort,
     maps: weakref.WeakSet[MapIterator],
     feed: _Feed,
     tool: str,

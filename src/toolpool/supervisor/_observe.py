@@ -13,16 +13,15 @@ import anyio
 
 from ..reaper import CloseReport
 from ._calls import Call
-from ._core import PoolCore
 from ._results import Statistics, WorkerState
-from ._state import Probe
+from .machine import Machine, Probe
 
 __all__ = ("abandon_unsettled", "close_report", "snapshot", "wait_settled_or_stuck")
 
 _log = logging.getLogger("toolpool.supervisor")
 
 
-def snapshot(core: PoolCore, probe: Probe, now: float, provider: str | None = None) -> Statistics:
+def snapshot(core: Machine, probe: Probe, now: float, provider: str | None = None) -> Statistics:
     """A frozen snapshot of the pool (``Pool.statistics``), or of one provider's part of it
     (its workers, its calls: those of its tools, all its generations): counters the core
     keeps, plus what is read now (the oldest queued call, the processes of unkillable
@@ -67,9 +66,7 @@ def snapshot(core: PoolCore, probe: Probe, now: float, provider: str | None = No
     )
 
 
-async def wait_settled_or_stuck(
-    core: PoolCore, wait_changed: Callable[[], Awaitable[None]]
-) -> None:
+async def wait_settled_or_stuck(core: Machine, wait_changed: Callable[[], Awaitable[None]]) -> None:
     """Until every call has settled, or is held by an unkillable worker (the close's wait:
     those settle only once their tree is gone, which may be never)."""
     while not core.idle_or_stuck():
@@ -86,7 +83,7 @@ async def _then_cancel(fn: Callable[[], Awaitable[object]], scope: anyio.CancelS
     scope.cancel()
 
 
-def abandon_unsettled(core: PoolCore, probe: Probe) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def abandon_unsettled(core: Machine, probe: Probe) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """At the end of the close: the processes of unkillable trees still alive, and the calls
     they keep from settling (logged; their waiters get PoolClosedError from now on)."""
     pids: set[int] = set()

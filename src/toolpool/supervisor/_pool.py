@@ -1,6 +1,6 @@
 """The pool's shell: the public :class:`Pool`, and the I/O its core asks for.
 
-Every decision is the core's (``_core.py``: a state machine, events in, actions out). This
+Every decision is the core's (``machine/``: a state machine, events in, actions out). This
 file only turns the world into events (a worker's messages and its connection, the reaper's
 reports, time) and performs the actions (send frames, start workers, signal trees, wake
 callers). The tasks: one reader and one connection watcher per worker socket, the reaper's
@@ -17,7 +17,8 @@ import secrets
 import tempfile
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from types import MappingProxyType, TracebackType
 from typing import Any, Final, Literal, final
 
@@ -26,7 +27,9 @@ import anyio.abc
 import zmq
 
 from ..core import (
+    DEFAULT_GRACES,
     CancelCause,
+    Graces,
     PoolClosedError,
     UnknownToolError,
     WorkerStartError,
@@ -41,32 +44,32 @@ from ..sandbox import Profile
 from ._calls import Call, Group, await_call
 from ._channels import Channels
 from ._containment import containment_report
-from ._core import PoolCore
-from ._dispatch import QUEUE_BEHIND_FOR
 from ._events import Listeners, ProviderRemoved, ToolsChanged, frozen_catalog
 from ._hosting import (
     DEFAULT_PREFETCH,
     Hosting,
     ProviderOptions,
-    check_count,
-    check_seconds,
+    check_pool_options,
+    checked_profile,
     prepare_layers,
     provider_options,
 )
-from ._lifecycle import EXIT_TOOLS_FAILED
 from ._map import MapIterator
 from ._observe import abandon_unsettled, close_report, snapshot, wait_settled_or_stuck
-from ._records import (
-    KILLED_TEXT,
-    TIMEOUT_TEXT,
-    WORKER_LOST_TEXT,
-)
 from ._results import CallableDict, CallableList, ContainmentReport, Result, Statistics
-from ._state import CoreConfig
 from ._workerio import (
     KILL_WAIT,
     WorkerFiles,
     WorkerIO,
+)
+from .machine import (
+    EXIT_TOOLS_FAILED,
+    KILLED_TEXT,
+    QUEUE_BEHIND_FOR,
+    TIMEOUT_TEXT,
+    WORKER_LOST_TEXT,
+    CoreConfig,
+    Machine,
 )
 
 __all__ = (
@@ -78,6 +81,8 @@ __all__ = (
     "Call",
     "Group",
     "Pool",
+    "Port",
+    "port_of",
 )
 
 _log = logging.getLogger("toolpool.supervisor")
@@ -107,8 +112,8 @@ class Pool(Channels, Hosting):
         tools: str | None = None,
         *,
         workers: int | None = None,
-        cancel_grace: float = 5.0,
-        term_grace: float = 2.0,
+        cancel_grace: float = DEFAULT_GRACES.cancel,
+        term_grace: float = DEFAULT_GRACES.term,
         start_timeout: float = 30.0,
         max_frame: int = DEFAULT_MAX_FRAME,
         max_start_failures: int = 3,
@@ -120,8 +125,8 @@ class Pool(Channels, Hosting):
         warm_spares: int = 0,
         start_method: StartMethod = "fork",
         prefetch: int | None = None,
-        drain_grace: float = 30.0,
-        unkillable_after: float = 10.0,
+        drain_grace: float = DEFAULT_GRACES.drain,
+        unkillable_after: float = DEFAULT_GRACES.unkillable_after,
         heartbeat: float | None = 1.0,
         max_calls_per_worker: int | None = None,
     ) -> None:
@@ -182,28 +187,23 @@ class Pool(Channels, Hosting):
             state). A call counts once it settled in that worker, unless its body surely
             never started. None (default): workers serve until the pool closes.
         """
-        check_count("max_start_failures", max_start_failures, minimum=1)
-        for name, value in (
-            ("cancel_grace", cancel_grace),
-            ("term_grace", term_grace),
-            ("start_timeout", start_timeout),
-            ("drain_grace", drain_grace),
-            ("unkillable_after", unkillable_after),
-            ("heartbeat", 1.0 if heartbeat is None else heartbeat),
-        ):
-            check_seconds(name, value)
-        if worker_output not in ("discard", "inherit"):
-            raise ValueError("worker_output must be 'discard' or 'inherit'")
-        if isinstance(max_frame, bool) or not isinstance(max_frame, int) or max_frame < 1024:
-            raise ValueError("max_frame must be an integer of at least 1024 bytes")
-        if start_method not in ("fork", "spawn"):
-            raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
-        if tools is None and isinstance(profile, str):
-            profile = Profile.named(profile)
-        options = (
-            None
-            if tools is None
-            else provider_options(
+        check_pool_options(
+            max_start_failures=max_start_failures,
+            seconds={
+                "cancel_grace": cancel_grace,
+                "term_grace": term_grace,
+                "start_timeout": start_timeout,
+                "drain_grace": drain_grace,
+                "unkillable_after": unkillable_after,
+            },
+            heartbeat=heartbeat,
+            worker_output=worker_output,
+            max_frame=max_frame,
+            start_method=start_method,
+        )
+        options = None
+        if tools is not None:  # the provider "default", with the options that are its own
+            options = provider_options(
                 "default",
                 tools,
                 workers=workers,
@@ -217,59 +217,47 @@ class Pool(Channels, Hosting):
                 max_frame=max_frame,
                 max_calls_per_worker=max_calls_per_worker,
             )
-        )
-        if options is None and not isinstance(profile, Profile):
-            raise TypeError(f"profile must be a toolpool.Profile or a name, not {profile!r}")
-        self._options: dict[str, ProviderOptions] = {}
-        if options is not None:
-            self._options["default"] = options
-            profile = options.profile
-        assert isinstance(profile, Profile)
+        self.profile = options.profile if options is not None else checked_profile(profile)
         self.tools_spec = tools or ""
         self.size = options.workers if options is not None else 0
-        self.cancel_grace = float(cancel_grace)
-        self.term_grace = float(term_grace)
+        #: The graces of its calls' escalation, its drains, and its unkillable workers.
+        self.graces = Graces(
+            cancel=cancel_grace,
+            term=term_grace,
+            drain=drain_grace,
+            unkillable_after=unkillable_after,
+        )
+        self.cancel_grace, self.term_grace = self.graces.cancel, self.graces.term
+        self.drain_grace, self.unkillable_after = self.graces.drain, self.graces.unkillable_after
         self.start_timeout = float(start_timeout)
-        self.drain_grace = float(drain_grace)
-        if unkillable_after <= 0:
-            raise ValueError("unkillable_after must be a positive number of seconds")
-        self.unkillable_after = float(unkillable_after)
         self.max_frame = max_frame
         self.max_start_failures = max_start_failures
         self.worker_output: WorkerOutput = worker_output
         self._env = dict(env) if env is not None else None
-        self.profile = profile
         self.allow_background = bool(allow_background)
-        if heartbeat is not None and not heartbeat > 0:
-            raise ValueError("heartbeat must be a positive number of seconds, or None")
         self.heartbeat = None if heartbeat is None else float(heartbeat)
         self.warm_spares = options.warm_spares if options is not None else 0
         self.start_method: StartMethod = start_method
         self.prefetch = options.prefetch if options is not None else DEFAULT_PREFETCH
         self.capture_output = options.capture_output if options is not None else None
         self._files = WorkerFiles()
-        spec = options.spec() if options is not None else None
-        self._core = PoolCore(
-            CoreConfig(
-                tools_spec=spec.tools_spec if spec else "",
-                size=spec.size if spec else 0,
-                warm_spares=spec.warm_spares if spec else 0,
-                prefetch=spec.prefetch if spec else 0,
-                cancel_grace=self.cancel_grace,
-                term_grace=self.term_grace,
-                start_timeout=self.start_timeout,
-                max_frame=max_frame,
-                max_start_failures=max_start_failures,
-                allow_background=self.allow_background,
-                memory_cap=profile.memory,
-                drain_grace=self.drain_grace,
-                unkillable_after=self.unkillable_after,
-                heartbeat=self.heartbeat,
-                max_calls_per_worker=spec.max_calls if spec else None,
-            ),
-            self._files,  # the probe: the ledger and cgroup files it holds open
-            lambda: secrets.token_hex(32).encode(),
+        config = CoreConfig(
+            graces=self.graces,
+            start_timeout=self.start_timeout,
+            max_frame=max_frame,
+            max_start_failures=max_start_failures,
+            heartbeat=self.heartbeat,
         )
+        # The probe: the ledger and cgroup files it holds open.
+        self._core = Machine(config, self._files, lambda: secrets.token_hex(32).encode())
+        self._options: dict[str, ProviderOptions] = {}
+        if options is not None:  # entering the machine as any provider does (started by start)
+            self._options["default"] = options
+            self._core.add_provider("default", options.spec(), time.monotonic())
+        self._init_shell()
+
+    def _init_shell(self) -> None:
+        """The shell's own state: listeners, the reaper, sockets, calls, tasks."""
         self._listeners = Listeners()
         self._rollbacks: dict[int, tuple[BaseException, list[Any]]] = {}
         self._infos: dict[int, Any] = {}
@@ -284,6 +272,7 @@ class Pool(Channels, Hosting):
         self._groups: weakref.WeakSet[Group] = weakref.WeakSet()
         self._call_ids = 0
         self._pumping = False
+        self._port = Port(self)  # what its calls, groups and maps may ask of it
         self._task_scopes: set[anyio.CancelScope] = set()  # the pool's own tasks
         self._clock_at = math.inf  # when the clock task next wakes
         self._clock_wake: anyio.Event | None = None
@@ -507,13 +496,18 @@ class Pool(Channels, Hosting):
         its value), pulled lazily: an async iterator; see :class:`toolpool.MapIterator`.
         Bad arguments raise here, at once."""
         return MapIterator(
-            self, tool, args_iterable, timeout=timeout, ordered=ordered, max_in_flight=max_in_flight
+            self._port,
+            tool,
+            args_iterable,
+            timeout=timeout,
+            ordered=ordered,
+            max_in_flight=max_in_flight,
         )
 
     def group(self) -> Group:
         """A new group (turn) with a fresh cancel signal (CONTRACT C5)."""
         self._check_open()
-        group = Group(self)
+        group = Group(self._port)
         self._groups.add(group)
         return group
 
@@ -569,6 +563,17 @@ class Pool(Channels, Hosting):
         if provider is not None and provider not in self._core.tallies:
             raise LookupError(f"no provider named {provider!r}")
         return snapshot(self._core, self._files, time.monotonic(), provider)
+
+    def provider_statistics(self) -> Mapping[str, Statistics]:
+        """:meth:`statistics` of each provider the pool has or had (a removed one's counters
+        stay, never going back), by name; and, under ``""``, of the calls no provider took
+        (a tool gone by the time they were queued), when there are some. What
+        :mod:`toolpool.metrics` reads at a scrape."""
+        tallies, now = self._core.tallies, time.monotonic()
+        out = {name: snapshot(self._core, self._files, now, name) for name in tallies if name}
+        if tallies[""].submitted:
+            out[""] = snapshot(self._core, self._files, now, "")
+        return out
 
     def containment(self, provider: str = "default") -> ContainmentReport:
         """What protects a provider's workers (by default, the ``"default"`` provider's),
@@ -640,7 +645,7 @@ class Pool(Channels, Hosting):
             timeout = self._options[provider.name].timeout
         now = time.monotonic()
         self._call_ids += 1
-        call = Call(self, self._call_ids, tool, packed, group, now)
+        call = Call(self._port, self._call_ids, tool, packed, group, now)
         call._index = index
         self._core.submit(call, timeout=timeout, now=now)
         self._pump()
@@ -658,3 +663,65 @@ class Pool(Channels, Hosting):
 
     def __repr__(self) -> str:
         return f"<toolpool.Pool {self.tools_spec!r} workers={self.size} {self._state}>"
+
+
+@final
+class Port:
+    """The pool's side of :class:`~._calls.PoolPort`: what its calls, groups and maps may
+    ask of it (they hold this, never the pool's private attributes)."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+
+    @property
+    def catalog(self) -> Mapping[str, Mapping[str, Any]]:
+        return self._pool.catalog
+
+    @property
+    def size(self) -> int:
+        return self._pool.size
+
+    @property
+    def prefetch(self) -> int:
+        return self._pool.prefetch
+
+    def check_open(self) -> None:
+        self._pool._check_open()
+
+    def submit_call(
+        self,
+        tool: str,
+        args: Mapping[str, Any] | None,
+        *,
+        timeout: float | None,
+        group: Group | None,
+        index: int | None = None,
+    ) -> Call:
+        return self._pool._submit(tool, args, timeout=timeout, group=group, index=index)
+
+    def cancel_call(self, call: Call, cause: CancelCause, *, force: bool) -> None:
+        self._pool._cancel(call, cause, force=force)
+
+    def cancel_group(self, group: Group, cause: CancelCause) -> None:
+        self._pool._group_cancelled(group, cause)
+
+    def new_group(self) -> Group:
+        return self._pool.group()
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        pool = self._pool
+        pumping, pool._pumping = pool._pumping, True  # one pump for the whole batch
+        try:
+            yield
+        finally:
+            pool._pumping = pumping
+            if not pumping:
+                pool._pump()
+
+
+def port_of(pool: Pool) -> Port:
+    """``pool``'s port (for ``SyncPool.map``, whose map runs in the pool's loop)."""
+    return pool._port

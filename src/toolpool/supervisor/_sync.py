@@ -23,9 +23,9 @@ from .._interrupts import STOPPED_LINE, killing_line, say, stopping_line
 from ..core import PoolClosedError, validate_cause
 from ._calls import Call
 from ._map import MapIterator, SyncMapIterator, _Feed, drive_sync_map, thread_safe_caller
-from ._pool import Pool
-from ._records import CallState
+from ._pool import Pool, port_of
 from ._results import Progress, Result, Statistics
+from .machine import CallState
 
 __all__ = ("Followed", "SyncCall", "SyncPool")
 
@@ -148,7 +148,7 @@ class _InterruptedClose:
         sync = self._sync
         pool = sync._pool
         if self.count == 1:
-            say(stopping_line(pool.cancel_grace, pool.term_grace, sync._waiting_for()))
+            say(stopping_line(pool.graces, sync._waiting_for()))
             return
         portal = sync._portal
         if portal is None:
@@ -333,7 +333,7 @@ class SyncPool:
         feed = _Feed()
         _, it = portal.start_task(
             drive_sync_map,
-            self._pool,
+            port_of(self._pool),
             self._maps,
             feed,
             tool,

@@ -48,19 +48,19 @@ from ..core import CancelCause, CancelController, cancel_with_runtime_cause
 from ..protocol import (
     PROGRESS_INTERVAL,
     Ack,
-    Call,
+    CallMessage,
     Cancel,
     CancelAck,
     Heartbeat,
     Ping,
     Pong,
-    Progress,
+    ProgressMessage,
     ProtocolViolation,
     Recall,
-    Result,
+    ResultMessage,
     Resume,
     Shutdown,
-    Started,
+    StartedMessage,
     Withdrawn,
     decode_from_supervisor,
     encode,
@@ -136,7 +136,7 @@ class _Server:
         self.ledger = ledger
         self.members = members
         self.pid = os.getpid()
-        self.queue: collections.deque[Call] = collections.deque()
+        self.queue: collections.deque[CallMessage] = collections.deque()
         self.current: tuple[int, CancelController] | None = None
         self.taken_at = 0.0  # when the current call was taken up
         self.started_at = 0.0  # when the current call's body was invoked
@@ -216,7 +216,7 @@ class _Server:
             if self._loop is not None:
                 self._loop.close()
 
-    def _run(self, msg: Call, controller: CancelController) -> None:
+    def _run(self, msg: CallMessage, controller: CancelController) -> None:
         call_id = msg.call_id
         before = self._begin()
         args = self._args(msg)
@@ -317,11 +317,11 @@ class _Server:
         self.progress_new = False  # (before reading it: a report from now on sets it again)
         report = self.progress
         if report is not None and report[0] == str(call_id):  # (not a stray view's)
-            self._send(encode(Progress(call_id, *report[1:])))
+            self._send(encode(ProgressMessage(call_id, *report[1:])))
             self.progress_sent_at = now
         return None
 
-    def _next(self) -> tuple[Call, CancelController] | None:
+    def _next(self) -> tuple[CallMessage, CancelController] | None:
         """With the lock, on the main thread: take up the next queued call, if it may be."""
         if not self._may_take():
             # A result sent is in neither the ledger nor the supervisor's hands yet, or
@@ -360,7 +360,7 @@ class _Server:
                 write_invoked(self.ledger, call_id)
             self.started_at = time.monotonic()
             self.said_started = call_id
-            self._send(encode(Started(call_id)))
+            self._send(encode(StartedMessage(call_id)))
             if self.watching:  # the send may have consumed the edge it waits on
                 self._wake()
 
@@ -383,7 +383,7 @@ class _Server:
             self._handle(msg)
 
     def _handle(self, msg: Any) -> None:
-        if isinstance(msg, Call):
+        if isinstance(msg, CallMessage):
             self.acked = max(self.acked, msg.acked)
             self.queue.append(msg)  # taken up by the main thread, in order
         elif isinstance(msg, Ack):
@@ -489,7 +489,7 @@ class _Server:
         started_at = self.started_at
         if self.said_started != call_id and started_at and now - started_at >= QUICK_BODY_WAIT:
             self.said_started = call_id
-            self._send(encode(Started(call_id)))  # after what was held back
+            self._send(encode(StartedMessage(call_id)))  # after what was held back
         elif self.pending:
             self._flush()
         self._drain()
@@ -511,7 +511,7 @@ class _Server:
             self.capture.begin()
         return _usage()
 
-    def _args(self, msg: Call) -> Any:
+    def _args(self, msg: CallMessage) -> Any:
         try:
             args = unpack_value(msg.args, self.max_frame)
         except ValueError as exc:
@@ -550,7 +550,7 @@ class _Server:
         # A value too large for a ledger slot however it is framed is not kept (nor framed
         # twice to find out).
         slot = None if len(packed or b"") > SLOT_PAYLOAD else self._free_slot()
-        reply = Result(
+        reply = ResultMessage(
             call_id,
             result.outcome.value,
             packed,
@@ -627,7 +627,7 @@ def _has_children() -> bool:
     return True
 
 
-def _within(reply: Result, size: int, max_frame: int) -> Result:
+def _within(reply: ResultMessage, size: int, max_frame: int) -> ResultMessage:
     """``reply``, whose frame of ``size`` bytes exceeds ``max_frame``, cut down until it
     fits: first the captured output goes (counted in ``output_dropped``); then the value (an
     ``ok`` becomes an ``error``, ``ResultTooLarge``, that says why); then the context. The

@@ -11,15 +11,16 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Final
 
-from ..core import (
+from ...core import (
     ABORT_ERROR_NAME,
     ABORTED_BEFORE_DISPATCH_TEXT,
     CancelCause,
     Outcome,
 )
-from ..protocol import ProtocolViolation, decode_from_worker, unpack_value
-from ..protocol import Result as ResultMessage
-from ..sandbox._profile import _human as _human_size
+from ...protocol import ProtocolViolation, ResultMessage, decode_from_worker, unpack_value
+from ...sandbox._profile import _human as _human_size
+from .._results import Result, Rung, Timeline
+from ._actions import Settled
 from ._records import (
     KILLED_TEXT,
     TIMEOUT_TEXT,
@@ -27,11 +28,9 @@ from ._records import (
     CallRecord,
     CallState,
     ProviderRecord,
-    Settled,
     WorkerRecord,
 )
-from ._results import Result, Rung, Timeline
-from ._state import CoreState
+from ._state import State
 
 __all__ = ("Settlement", "describe_exit")
 
@@ -40,13 +39,17 @@ _log = logging.getLogger("toolpool.supervisor")
 _new_settled = tuple.__new__
 _NO_CONTEXT: Final[Mapping[str, Any]] = MappingProxyType({})  # read-only: one serves all
 _DISPOSED: Final = CancelCause("disposed")
+_SETTLED, _NO_RUNG = CallState.SETTLED, Rung.NONE  # (bound once: see _dispatch.py)
 RUNG_ORDER: Final = {Rung.NONE: 0, Rung.CANCEL: 1, Rung.SIGTERM: 2, Rung.SIGKILL: 3}
 
 
-class Settlement(CoreState):
-    """Results and settlement."""
+class Settlement:
+    """Results and settlement: the one place a call gets its result (``settle``)."""
 
-    def _settle(
+    def __init__(self, state: State) -> None:
+        self.s = state
+
+    def settle(
         self,
         call: CallRecord,
         outcome: Outcome,
@@ -68,7 +71,8 @@ class Settlement(CoreState):
         """Settle ``call`` with this result, once (later attempts change nothing)."""
         if call._result is not None:
             return
-        now = self.now
+        s = self.s
+        now = s.now
         call._times["settled"] = now
         w = call._worker
         exit_code = exit_signal = None
@@ -103,19 +107,19 @@ class Settlement(CoreState):
         )
         if call._queued:
             self._forget_queued(call)
-        call._state = CallState.SETTLED
-        kind = outcome.value
+        call._advance(_SETTLED)
+        kind = outcome._value_  # (not .value: a property, on the hot path)
         owner = call._owner
-        tally = owner.tally if owner is not None else self.tallies[""]
+        tally = owner.tally if owner is not None else s.tallies[""]
         tally.settled[kind] += 1
         tally.by_tool[call.tool, kind] += 1
         latency = now - call._times["submitted"]  # (Buckets.observe, inline: the hot path)
         buckets = tally.settle_latency
         buckets.counts[bisect_left(buckets.bounds, latency)] += 1
         buckets.sum += latency
-        if call._rung is not Rung.NONE:
+        if call._rung is not _NO_RUNG:
             tally.escalations[call._rung.value] += 1
-        del self.calls[call.id]
+        del s.calls[call.id]
         if call._group is not None:
             call._group._calls.discard(call)
         if w is not None and call in w.calls:
@@ -128,7 +132,7 @@ class Settlement(CoreState):
                 w.calls.remove(call)
             if w.acks_expected:  # an ack may still be on its way for this call, no older one
                 w.acks_expected &= {call.id, *(c.id for c in w.calls)}
-        self._out.append(_new_settled(Settled, (call,)))  # (tuple.__new__: the hot path)
+        s.out.append(_new_settled(Settled, (call,)))  # (tuple.__new__: the hot path)
 
     def _forget_queued(self, call: CallRecord) -> None:
         """A call settled while in its provider's queue: drop it there, at once where it is
@@ -145,9 +149,9 @@ class Settlement(CoreState):
             queue.pop()
         else:
             p.settled_in_queue += 1
-        self._compact_queue(p)
+        self.compact_queue(p)
 
-    def _compact_queue(self, p: ProviderRecord) -> None:
+    def compact_queue(self, p: ProviderRecord) -> None:
         """Drop the settled calls from p's queue once they are half of it."""
         queue = p.queue
         if p.settled_in_queue and p.settled_in_queue * 2 >= len(queue):
@@ -156,23 +160,23 @@ class Settlement(CoreState):
             queue.extend(live)
             p.settled_in_queue = 0
 
-    def _record_cause(self, call: CallRecord, cause: CancelCause) -> None:
+    def record_cause(self, call: CallRecord, cause: CancelCause) -> None:
         """The first cause wins; ``disposed`` takes priority over a user or parent cancel
         in classification (C5.3)."""
         if call._cause is None:
             call._cause = cause
-            call._times["cancel_requested"] = self.now
+            call._times["cancel_requested"] = self.s.now
         elif cause.kind == "disposed" and call._cause.kind in ("user", "parent"):
             call._cause = cause
 
-    def _abort_queued(self, call: CallRecord, cause: CancelCause) -> None:
+    def abort_queued(self, call: CallRecord, cause: CancelCause) -> None:
         """A call no worker has is cancelled: it settles at once, never started (C4.4)."""
-        self._record_cause(call, cause)
-        self._settle_unstarted(call, call._cause or cause)
+        self.record_cause(call, cause)
+        self.settle_unstarted(call, call._cause or cause)
 
-    def _settle_unstarted(self, call: CallRecord, cause: CancelCause) -> None:
+    def settle_unstarted(self, call: CallRecord, cause: CancelCause) -> None:
         if cause.kind == "timeout":
-            self._settle(
+            self.settle(
                 call,
                 Outcome.TIMEOUT,
                 error=TIMEOUT_TEXT,
@@ -180,7 +184,7 @@ class Settlement(CoreState):
                 body_started=False,
             )
         else:
-            self._settle(
+            self.settle(
                 call,
                 Outcome.ABORTED_BEFORE_DISPATCH,
                 error=ABORTED_BEFORE_DISPATCH_TEXT,
@@ -188,7 +192,7 @@ class Settlement(CoreState):
                 body_started=False,
             )
 
-    def _fail_queue(self, p: ProviderRecord) -> None:
+    def fail_queue(self, p: ProviderRecord) -> None:
         """p is broken: every call queued for it settles as lost, never started."""
         queue = p.queue
         while queue:
@@ -196,34 +200,34 @@ class Settlement(CoreState):
             if call._result is not None:
                 queue.popleft()
                 continue
-            self._settle(  # (drops it from the queue)
+            self.settle(  # (drops it from the queue)
                 call,
                 Outcome.WORKER_LOST,
-                error=f"{WORKER_LOST_TEXT}: {p.broken or self.broken}",
+                error=f"{WORKER_LOST_TEXT}: {p.broken or self.s.broken}",
                 error_name="WorkerStartError",
                 body_started=False,
             )
         p.settled_in_queue = 0
 
-    def _fail_queues(self) -> None:
+    def fail_queues(self) -> None:
         """The pool is broken: every queued call settles as lost."""
-        for p in list(self.providers.values()):
-            self._fail_queue(p)
+        for p in list(self.s.providers.values()):
+            self.fail_queue(p)
 
-    def _raise_rung(self, call: CallRecord, rung: Rung) -> None:
+    def raise_rung(self, call: CallRecord, rung: Rung) -> None:
         if RUNG_ORDER[rung] > RUNG_ORDER[call._rung]:
             call._rung = rung
 
-    def _received(self, w: WorkerRecord, msg: ResultMessage) -> functools.partial[None]:
+    def received(self, w: WorkerRecord, msg: ResultMessage) -> functools.partial[None]:
         """w's next result arrived (or was found in its ledger): check it is for the call w
         runs, and return what settles that call."""
         call = w.call
         if call is None or call.id != msg.call_id:
             raise ProtocolViolation(f"result for call {msg.call_id}, which it does not own")
         w.results += 1
-        max_frame = self.config.max_frame
+        max_frame = self.s.config.max_frame
         value = unpack_value(msg.value, max_frame) if msg.value is not None else None
-        now = call._times["returned"] = self.now
+        now = call._times["returned"] = self.s.now
         if msg.body_started:
             call._started = True
             started_at = msg.extras.get("started_at")
@@ -233,7 +237,7 @@ class Settlement(CoreState):
                 call._times["started"] = min(max(started_at, call._times["dispatched"]), now)
         output = msg.extras.get("output")
         return functools.partial(
-            self._settle,
+            self.settle,
             call,
             Outcome(msg.outcome),
             value=value,
@@ -245,12 +249,12 @@ class Settlement(CoreState):
             max_rss=msg.extras.get("max_rss"),
             output=None if output is None else output.decode("utf-8", "replace"),
             output_dropped=msg.extras.get("output_dropped", 0),
-            tree_max_memory=self.probe.peak(w.wid),
+            tree_max_memory=self.s.probe.peak(w.wid),
         )
 
     # ------------------------------------------------------------------ post-mortem
 
-    def _settle_calls_of_dead(self, w: WorkerRecord) -> list[CallRecord]:
+    def settle_calls_of_dead(self, w: WorkerRecord) -> list[CallRecord]:
         """Settle the calls w held when it died (its kept results are settled first); return
         those never taken up, to run elsewhere (in order).
 
@@ -261,7 +265,7 @@ class Settlement(CoreState):
         believed only where they are consistent with what this side saw, and never to run a
         call again more than once.
         """
-        ledger = self._read_ledger(w)
+        ledger = self.read_ledger(w)
         calls = list(w.calls)
         w.calls.clear()
         if not calls:
@@ -301,13 +305,13 @@ class Settlement(CoreState):
                 call._rung = Rung.CANCEL
                 call._times.pop("sigterm", None)
                 call._times.pop("sigkill", None)
-                self._settle_unstarted(call, call._cause)
+                self.settle_unstarted(call, call._cause)
             else:
                 requeue.append(call)
         if taken:
             for step, rung in (("sigterm", Rung.SIGTERM), ("sigkill", Rung.SIGKILL)):
                 if step in w.signals:  # it died of them, whichever call they were sent for
-                    self._raise_rung(head, rung)
+                    self.raise_rung(head, rung)
                     head._times.setdefault(step, w.signals[step])
             self._settle_dead(w, head, started)
             for call in maybe:
@@ -318,9 +322,9 @@ class Settlement(CoreState):
 
     def _settle_dead(self, w: WorkerRecord, call: CallRecord, started: bool | None) -> None:
         """call was (or may have been) taken up by w, whose tree is gone."""
-        call._times["reaped"] = self.now
+        call._times["reaped"] = self.s.now
         if w.escalated and w.violation is None:
-            self._settle(
+            self.settle(
                 call,
                 Outcome.KILLED,
                 error=KILLED_TEXT,
@@ -337,7 +341,7 @@ class Settlement(CoreState):
         )
         if not w.verified:
             reason += "; its tree could not be verified gone (no cgroup holds it)"
-        self._settle(
+        self.settle(
             call,
             Outcome.WORKER_LOST,
             error=f"{WORKER_LOST_TEXT}: {reason}",
@@ -347,10 +351,10 @@ class Settlement(CoreState):
             tree_verified=w.verified,
         )
 
-    def _read_ledger(self, w: WorkerRecord) -> tuple[int, int] | None:
+    def read_ledger(self, w: WorkerRecord) -> tuple[int, int] | None:
         """Read w's ledger once it is gone: settle the calls whose results it kept there but
         that never arrived (sent just before it died, or not sent); return its marks."""
-        found = self.probe.ledger(w.wid)
+        found = self.s.probe.ledger(w.wid)
         if found is None:
             return None
         marks, kept = found
@@ -362,10 +366,10 @@ class Settlement(CoreState):
             if seq != w.results + 1 or not w.calls:
                 continue  # received already (or out of turn: not what it sent)
             try:
-                msg = decode_from_worker(frame, max_len=self.config.max_frame)
+                msg = decode_from_worker(frame, max_len=self.s.config.max_frame)
                 if not isinstance(msg, ResultMessage):
                     raise ProtocolViolation(f"a {type(msg).__name__} in its ledger")
-                settle = self._received(w, msg)
+                settle = self.received(w, msg)
             except ProtocolViolation as exc:
                 _log.warning("worker %s: its ledger holds no valid result: %s", w.wid, exc)
                 break

@@ -1,13 +1,15 @@
-"""The core's state, its outbox, its timers and its waits: what every layer of it shares.
+"""The machine's state, its outbox, its timers and its waits: what every part of it shares.
 
-The core is layered, each layer a file and a concern, each building on the one below:
+The machine is a few parts, each a class and a concern, each given the parts below it that
+it uses (``docs/core.md``, "Where things are"):
 
-``_state.py``       (this file) the state, the actions out, timers, waits
+``_state.py``       (this file) the records kept, the actions out, timers, waits
 ``_settlement.py``  results: building them, settling, the post-mortem of a dead worker
-``_dispatch.py``    the call queue: dispatch, prefetch, recall and stealing
-``_escalation.py``  cancellation and the escalation ladder (C4.1, C4.2)
+``_dispatch.py``    the call queue: dispatch, prefetch, recall and stealing, retiring
+``_ladder.py``      cancellation and the escalation ladder (C4.1, C4.2), quarantine
+``_fleet.py``       providers: their workers' complement, add, remove, resize, reload
 ``_lifecycle.py``   workers: hello, messages, start failures, death, replacement, the reaper
-``_core.py``        the events in, ``flush()`` out
+``_machine.py``     :class:`Machine`: owns the parts; the events in, ``flush()`` out
 
 Nothing here does I/O: no clock (every event carries ``now``), no socket, no process, no task.
 What the core must know of the world between events (a worker's ledger marks, its cgroup's
@@ -26,16 +28,17 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from ..core import WorkerStartError
-from ._records import Action, CallRecord, ProviderRecord, ProviderSpec, WorkerRecord
-from ._results import Histogram
+from ...core import DEFAULT_GRACES, Graces, WorkerStartError
+from .._results import Histogram
+from ._actions import Action
+from ._records import CallRecord, ProviderRecord, ProviderSpec, WorkerRecord
 
 __all__ = (
     "KILL_TO_REAPED_BOUNDS",
     "SETTLE_LATENCY_BOUNDS",
     "Buckets",
     "CoreConfig",
-    "CoreState",
+    "State",
     "Probe",
     "Proc",
     "Wait",
@@ -123,39 +126,14 @@ class Tally:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoreConfig:
-    """The pool's options that its decisions depend on. ``tools_spec`` and the fields up to
-    ``memory_cap`` are the ``"default"`` provider's (none when ``tools_spec`` is empty);
-    more providers come with :meth:`PoolCore.add_provider`."""
+    """The pool's options that its decisions depend on. A provider's own (the
+    ``"default"`` one's too) come with it: :meth:`Machine.add_provider`."""
 
-    tools_spec: str = ""
-    size: int = 0
-    warm_spares: int = 0
-    prefetch: int = 0
-    cancel_grace: float = 5.0
-    term_grace: float = 2.0
+    graces: Graces = DEFAULT_GRACES  # the ladder's, a drain's, and when a tree is unkillable
     start_timeout: float = 30.0
     max_frame: int = 1 << 20
     max_start_failures: int = 3
-    allow_background: bool = False
-    memory_cap: int | None = None  # the profile's, for the OOM text
     has_reaper_cleanup: bool = True  # the reaper kills leftovers (False: nobody can)
-    drain_grace: float = 30.0  # a removed provider's running calls' time to finish
-    unkillable_after: float = 10.0  # seconds after SIGKILL: a tree still there is unkillable
-    max_calls_per_worker: int | None = None  # the default provider's ProviderSpec.max_calls
-
-    def default_spec(self) -> ProviderSpec | None:
-        if not self.tools_spec:
-            return None
-        return ProviderSpec(
-            tools_spec=self.tools_spec,
-            size=self.size,
-            warm_spares=self.warm_spares,
-            prefetch=self.prefetch,
-            allow_background=self.allow_background,
-            memory_cap=self.memory_cap,
-            max_calls=self.max_calls_per_worker,
-        )
-
     heartbeat: float | None = None  # seconds between a worker's heartbeats (None: none sent)
 
 
@@ -197,15 +175,17 @@ class Wait(NamedTuple):
 Proc = Generator[Wait, None, None]
 
 
-class CoreState:
-    """The state every layer of the core shares, its outbox, its timers and its procs."""
+class State:
+    """The records every part of the machine reads and changes, its outbox, its timers and
+    its procs. The parts share this one object; :class:`Machine` owns it."""
 
     def __init__(self, config: CoreConfig, probe: Probe, new_secret: Callable[[], bytes]) -> None:
         self.config = config
         self.probe = probe
-        self._new_secret = new_secret
-        self.now = 0.0  # the time of the event being handled (the core reads no clock)
+        self.new_secret = new_secret
+        self.now = 0.0  # the time of the event being handled (the machine reads no clock)
         self.closing = False  # no call is dispatched any more; the queue settles as disposed
+        self.started = False  # the pool's start() came: providers' workers may start
         self.starting = True  # the pool's start-up (its default provider's)
         # The pool cannot serve at all (its reaper went away and no new one started; its
         # default provider failed to start).
@@ -223,27 +203,23 @@ class CoreState:
         self.catalog: dict[str, dict[str, Any]] = {}  # the active providers' tools
         self.owner: dict[str, ProviderRecord] = {}  # tool name -> its active provider
         self._provider_ids = itertools.count(1)
-        self._providers_by_id: dict[int, ProviderRecord] = {}
-        self._wids = itertools.count(1)
-        self._out: list[Action] = []
-        self._dispatch_due = False
+        self.providers_by_id: dict[int, ProviderRecord] = {}
+        self.wids = itertools.count(1)
+        self.out: list[Action] = []
+        self.dispatch_due = False
         # (when, seq, kind, key): call deadlines by id, so that a settled call (and its
         # result) is not kept alive until its deadline; hello deadlines; respawns; wakes.
         self.timers: list[tuple[float, int, str, int]] = []
         self._seq = itertools.count()
-        self._procs: list[list[Any]] = []  # [proc, its Wait or None]
+        self.procs: list[list[Any]] = []  # [proc, its Wait or None, its next look]
         # statistics
         # What calls and workers came to, by provider name ("": calls no provider took);
         # ``tally()`` sums them.
         self.tallies: dict[str, Tally] = {"": Tally()}
 
-        spec = config.default_spec()
-        if spec is not None:
-            self.pending["default"] = self._new_provider("default", spec)
-
-    def _new_provider(self, name: str, spec: ProviderSpec, generation: int = 1) -> ProviderRecord:
+    def new_provider(self, name: str, spec: ProviderSpec, generation: int = 1) -> ProviderRecord:
         p = ProviderRecord(next(self._provider_ids), name, spec, generation)
-        self._providers_by_id[p.id] = p
+        self.providers_by_id[p.id] = p
         p.tally = self.tallies.setdefault(name, Tally())
         return p
 
@@ -253,63 +229,31 @@ class CoreState:
             return self.tallies.get(provider) or Tally()
         return Tally.total(list(self.tallies.values()))
 
-    # The default provider's queue, ready list and tools (the single-provider view).
-
-    @property
-    def default(self) -> ProviderRecord | None:
-        return self.providers.get("default") or self.pending.get("default")
-
-    @property
-    def queue(self) -> collections.deque[CallRecord]:
-        """Every queued call, of every provider (a new deque: read only)."""
-        out: collections.deque[CallRecord] = collections.deque()
-        for p in self.providers.values():
-            out.extend(p.queue)
-        return out
-
-    @property
-    def ready(self) -> list[WorkerRecord]:
-        """The idle workers of every provider (a new list: read only)."""
-        return [w for p in self.providers.values() for w in p.ready]
-
-    @property
-    def threaded(self) -> set[str]:
-        return {t for p in [*self.providers.values(), *self.pending.values()] for t in p.threaded}
-
-    @property
-    def worker_layers(self) -> dict[str, Any] | None:
-        p = self.default
-        return p.worker_layers if p is not None else None
-
-    @worker_layers.setter
-    def worker_layers(self, layers: dict[str, Any] | None) -> None:
-        p = self.default
-        if p is not None:
-            p.worker_layers = layers
-
     # ------------------------------------------------------------------ the outbox
 
-    def _act(self, action: Action) -> None:
-        self._out.append(action)
+    def act(self, action: Action) -> None:
+        self.out.append(action)
 
     # ------------------------------------------------------------------ timers
 
-    def _arm(self, when: float, kind: str, key: int = 0) -> None:
+    def arm(self, when: float, kind: str, key: int = 0) -> None:
         if kind == "deadline" and len(self.timers) > 2 * len(self.calls) + 1024:
             # Mostly calls settled long before their deadline: keep only the live ones.
-            self.timers = [t for t in self.timers if t[2] != "deadline" or t[3] in self.calls]
-            heapq.heapify(self.timers)
+            timers = self.timers  # (in place: the machine hands this list to the shell)
+            timers[:] = [t for t in timers if t[2] != "deadline" or t[3] in self.calls]
+            heapq.heapify(timers)
         heapq.heappush(self.timers, (when, next(self._seq), kind, key))
 
     def next_deadline(self) -> float | None:
-        """When the core next needs ``timer()`` called (None: not until another event)."""
+        """When the machine next needs ``timer()`` called (None: not until another event)."""
         return self.timers[0][0] if self.timers else None
 
     # ------------------------------------------------------------------ procs
 
-    def _spawn_proc(self, proc: Proc) -> None:
+    def spawn_proc(self, proc: Proc) -> None:
+        """Run ``proc`` until it first waits; ``run_procs`` resumes it when its wait is over."""
         entry: list[Any] = [proc, None, math.inf]  # the proc, its Wait, its next look
-        self._procs.append(entry)
+        self.procs.append(entry)
         self._step(entry)
 
     def _step(self, entry: list[Any]) -> None:
@@ -323,20 +267,20 @@ class CoreState:
             try:
                 entry[1] = next(proc)
             except StopIteration:
-                self._procs.remove(entry)
+                self.procs.remove(entry)
                 return
 
     def _look_again(self, entry: list[Any], wait: Wait) -> None:
         when = min(wait.until, self.now + wait.poll)
         entry[2] = when
         if when != math.inf:
-            self._arm(when, "wake")
+            self.arm(when, "wake")
 
-    def _run_procs(self) -> None:
+    def run_procs(self) -> None:
         """Resume every proc whose wait is over; again while one going on frees another."""
         for _ in range(1000):
             moved = False
-            for entry in list(self._procs):
+            for entry in list(self.procs):
                 wait: Wait = entry[1]
                 if wait.done() or self.now >= wait.until:
                     self._step(entry)

@@ -17,20 +17,16 @@ import dataclasses
 import logging
 from typing import Final
 
-from ..core import CancelCause, ToolConflictError, WorkerStartError
-from ._lifecycle import Lifecycle
-from ._records import (
-    Autoscale,
-    Changed,
-    ProviderDown,
-    ProviderRecord,
-    ProviderResized,
-    ProviderSpec,
-    ProviderUp,
-)
-from ._results import WorkerState
+from ...core import CancelCause, ToolConflictError, WorkerStartError
+from .._results import WorkerState
+from ._actions import Changed, ProviderDown, ProviderUp, Resized, Spawn
+from ._dispatch import Dispatch
+from ._ladder import Ladder
+from ._records import Autoscale, ProviderRecord, ProviderSpec, ProviderState, WorkerRecord
+from ._settlement import Settlement
+from ._state import State
 
-__all__ = ("Providers",)
+__all__ = ("SCALE_TICK", "Fleet")
 
 _log = logging.getLogger("toolpool.supervisor")
 
@@ -40,72 +36,111 @@ _DISPOSED: Final = CancelCause("disposed")
 #: most one worker a look, so by at most 10 workers a second.
 SCALE_TICK: Final = 0.1
 
+#: The states of a worker that will never take a call again.
+_OUT_OF_SERVICE: Final = frozenset(
+    (WorkerState.RETIRING, WorkerState.QUARANTINED, WorkerState.UNKILLABLE, WorkerState.EXITED)
+)
 
-class Providers(Lifecycle):
-    """Adding, removing, resizing and reloading providers."""
+
+class Fleet:
+    """The providers and their workers' complement: starting workers, adding, removing,
+    resizing, autoscaling and reloading providers; a provider's own states (``starting``,
+    ``active``, ``draining``, ``gone``, ``failed``)."""
+
+    def __init__(
+        self, state: State, settlement: Settlement, dispatch: Dispatch, ladder: Ladder
+    ) -> None:
+        self.s = state
+        self.settlement = settlement
+        self.dispatch = dispatch
+        self.ladder = ladder
+
+    # ------------------------------------------------------------------ workers
+
+    def spawn(self, p: ProviderRecord) -> WorkerRecord:
+        wid = next(self.s.wids)
+        w = WorkerRecord(wid, self.s.new_secret(), p)
+        self.s.workers[wid] = w
+        p.tally.started += 1
+        self.s.arm(self.s.now + self.s.config.start_timeout, "hello", wid)
+        self.s.act(Spawn(wid, w.secret, p.name))
+        return w
+
+    def serves(self, w: WorkerRecord) -> bool:
+        """w serves or will: not gone, draining, retiring, quarantined or unkillable."""
+        return not w.gone and not w.draining and w.state not in _OUT_OF_SERVICE
+
+    def serving_count(self, p: ProviderRecord) -> int:
+        """p's workers that serve or will."""
+        return sum(1 for w in self.s.workers.values() if w.provider is p and self.serves(w))
+
+    def top_up(self, p: ProviderRecord) -> list[WorkerRecord]:
+        """Start workers until p has its size plus its warm spares; the ones started."""
+        if self.s.closing or self.s.broken is not None or p.broken is not None or not p.live:
+            return []
+        if not self.s.reaper_up or not self.s.started:
+            return []  # the new reaper (or the pool's start) starts a full complement
+        missing = p.spec.size + p.spec.warm_spares - self.serving_count(p)
+        return [self.spawn(p) for _ in range(missing)]
 
     # ------------------------------------------------------------------ events in
 
-    def add_provider(self, name: str, spec: ProviderSpec, now: float) -> ProviderRecord:
+    def add(self, name: str, spec: ProviderSpec) -> ProviderRecord:
         """Start a new provider's workers; it becomes active once they are all ready (or
         ``failed``: its ``broken`` says why). The shell checks ``name`` is free."""
-        self.now = now
-        if name in self.providers or name in self.pending:
+        if name in self.s.providers or name in self.s.pending:
             raise ValueError(f"a provider named {name!r} exists")
-        p = self._new_provider(name, spec)
-        self.pending[name] = p
-        self._top_up(p)
+        p = self.s.new_provider(name, spec)
+        self.s.pending[name] = p
+        self.top_up(p)
         return p
 
-    def reload_provider(self, name: str, now: float) -> ProviderRecord:
+    def reload(self, name: str) -> ProviderRecord:
         """Start a new generation of provider ``name`` (a fresh import of its tools); it
         replaces the current one once every new worker is ready."""
-        self.now = now
-        old = self.providers[name]
-        if name in self.pending:
+        old = self.s.providers[name]
+        if name in self.s.pending:
             raise ValueError(f"provider {name!r} is already being reloaded")
-        p = self._new_provider(name, old.spec, old.generation + 1)
-        self.pending[name] = p
-        self._top_up(p)
+        p = self.s.new_provider(name, old.spec, old.generation + 1)
+        self.s.pending[name] = p
+        self.top_up(p)
         return p
 
-    def remove_provider(self, name: str, reason: str, now: float) -> ProviderRecord | None:
+    def remove(self, name: str, reason: str) -> ProviderRecord | None:
         """Take provider ``name`` out: its tools go at once, its workers drain. A reload of
         it under way is abandoned too."""
-        self.now = now
-        starting = self.pending.pop(name, None)
+        starting = self.s.pending.pop(name, None)
         if starting is not None:
-            self._provider_failed(starting, None)
-        p = self.providers.pop(name, None)
+            self.failed(starting, None)
+        p = self.s.providers.pop(name, None)
         if p is None:
             return starting
         self._unpublish(p)
-        self._act(ProviderDown(p, reason))
+        self.s.act(ProviderDown(p, reason))
         self._drain(p, reason)
-        self._act(Changed())
+        self.s.act(Changed())
         return p
 
-    def resize(self, name: str, size: int, now: float, *, force: bool = False) -> None:
+    def resize(self, name: str, size: int, *, force: bool = False) -> None:
         """Grow or shrink provider ``name`` to ``size`` workers (its warm spares stay), and
         stop autoscaling it. Shrinking retires workers that are starting or idle first, then
         drains busy ones (their call finishes, then they exit); ``force``: their calls are
         cancelled now (cause ``disposed``), escalating like any cancel."""
-        self.now = now
-        p = self.providers.get(name) or self.pending[name]
+        p = self.s.providers.get(name) or self.s.pending[name]
         p.autoscale = None
         self._resize(p, size, force=force, reason="resize")
 
     def _resize(self, p: ProviderRecord, size: int, *, force: bool, reason: str) -> None:
         if size != p.spec.size:
-            self._act(ProviderResized(p, p.spec.size, size, reason))
+            self.s.act(Resized(p, p.spec.size, size, reason))
         p.spec = dataclasses.replace(p.spec, size=size)
         target = size + p.spec.warm_spares
-        excess = self._serving_count(p) - target
+        excess = self.serving_count(p) - target
         if excess <= 0:
-            self._top_up(p)
-            self._act(Changed())
+            self.top_up(p)
+            self.s.act(Changed())
             return
-        mine = [w for w in self.workers.values() if w.provider is p and self._serves(w)]
+        mine = [w for w in self.s.workers.values() if w.provider is p and self.serves(w)]
         # Starting first, then idle, then those with the fewest calls (newest first).
         mine.sort(key=lambda w: (w.state is not WorkerState.SPAWNING, len(w.calls), -w.wid))
         for w in mine[:excess]:
@@ -113,18 +148,17 @@ class Providers(Lifecycle):
             if w.state is WorkerState.SPAWNING:
                 continue
             if not w.calls:
-                self._retire(w)
+                self.dispatch.retire(w)
                 continue
-            self._recall_behind(w, w.calls[0])
+            self.dispatch.recall_behind(w, w.calls[0])
             if force:
-                self._cancel_call(w.calls[0], _DISPOSED, force=False)
-        self._act(Changed())
-        self._dispatch()
+                self.ladder.cancel(w.calls[0], _DISPOSED, force=False)
+        self.s.act(Changed())
+        self.dispatch.schedule()
 
-    def autoscale(self, name: str, policy: Autoscale | None, now: float) -> None:
+    def autoscale(self, name: str, policy: Autoscale | None) -> None:
         """Let the core size provider ``name`` within ``policy``'s bounds (None: stop)."""
-        self.now = now
-        p = self.providers.get(name) or self.pending[name]
+        p = self.s.providers.get(name) or self.s.pending[name]
         p.autoscale = policy
         if policy is None:
             return
@@ -134,21 +168,21 @@ class Providers(Lifecycle):
             self._resize(p, size, force=False, reason=reason)
         if not p.scale_armed:
             p.scale_armed = True
-            self._arm(now + SCALE_TICK, "scale", p.id)
+            self.s.arm(self.s.now + SCALE_TICK, "scale", p.id)
 
     def scale_due(self, provider_id: int) -> None:
         """An autoscaled provider's look: one worker more if a call has waited for one
         ``grow_after`` seconds, one fewer if nothing waits and a worker has been idle
         ``idle_after`` seconds."""
-        p = self._providers_by_id.get(provider_id)
+        p = self.s.providers_by_id.get(provider_id)
         if p is None:
             return
-        if p.autoscale is None or not p.live or self.closing:
+        if p.autoscale is None or not p.live or self.s.closing:
             p.scale_armed = False
             return
-        policy, now, size = p.autoscale, self.now, p.spec.size
-        self._arm(now + SCALE_TICK, "scale", p.id)
-        if p.state != "active":
+        policy, now, size = p.autoscale, self.s.now, p.spec.size
+        self.s.arm(self.s.now + SCALE_TICK, "scale", p.id)
+        if p.state is not ProviderState.ACTIVE:
             return
         waited = self._longest_wait(p)
         if waited is not None and waited >= policy.grow_after:
@@ -168,42 +202,42 @@ class Providers(Lifecycle):
         """How long the call of p that has waited longest for a worker has (None: none
         waits): the head of its queue, or one queued in a busy worker behind another."""
         submitted = [c._times["submitted"] for c in p.queue if c._queued][:1]
-        for w in self.workers.values():
+        for w in self.s.workers.values():
             if w.provider is p and len(w.calls) > 1:
                 submitted.extend(c._times["submitted"] for c in list(w.calls)[1:] if not c._started)
-        return self.now - min(submitted) if submitted else None
+        return self.s.now - min(submitted) if submitted else None
 
     def drain_due(self, provider_id: int) -> None:
         """A removed provider's drain_grace is over: cancel what it still runs."""
-        p = self._providers_by_id.get(provider_id)
-        if p is None or p.state != "draining":
+        p = self.s.providers_by_id.get(provider_id)
+        if p is None or p.state is not ProviderState.DRAINING:
             return
-        for w in list(self.workers.values()):
+        for w in list(self.s.workers.values()):
             if w.provider is p:
                 for call in list(w.calls):
                     if call._result is None:
-                        self._cancel_call(call, _DISPOSED, force=False)
+                        self.ladder.cancel(call, _DISPOSED, force=False)
 
     # ------------------------------------------------------------------ decisions
 
-    def _maybe_activate(self, p: ProviderRecord) -> None:
+    def maybe_activate(self, p: ProviderRecord) -> None:
         """p is starting: once every worker it started with is ready (hello said, and the
         reaper reported how it started it), its tools become resolvable."""
-        if p.state != "starting" or self.pending.get(p.name) is not p:
+        if p.state is not ProviderState.STARTING or self.s.pending.get(p.name) is not p:
             return
         want = p.spec.size + p.spec.warm_spares
         ready = sum(
             1
-            for w in self.workers.values()
+            for w in self.s.workers.values()
             if w.provider is p and w.state is WorkerState.READY and w.start_method is not None
         )
         if ready < want:
             return
-        old = self.providers.get(p.name)
+        old = self.s.providers.get(p.name)
         for tool in p.catalog:
-            owner = self.owner.get(tool)
+            owner = self.s.owner.get(tool)
             if owner is not None and owner.name != p.name:
-                self._provider_failed(
+                self.failed(
                     p,
                     ToolConflictError(
                         f"tool {tool!r} of provider {p.name!r} ({p.spec.tools_spec}) is "
@@ -211,15 +245,14 @@ class Providers(Lifecycle):
                     ),
                 )
                 return
-        del self.pending[p.name]
-        p.state = "active"
-        p.starting = False
+        del self.s.pending[p.name]
+        p.advance(ProviderState.ACTIVE)
         if old is not None:
             self._unpublish(old)
-        self.providers[p.name] = p
+        self.s.providers[p.name] = p
         for tool, desc in p.catalog.items():
-            self.owner[tool] = p
-            self.catalog[tool] = {**desc, "provider": p.name}
+            self.s.owner[tool] = p
+            self.s.catalog[tool] = {**desc, "provider": p.name}
         _log.info(
             "provider %r (%s) %s: %d workers",
             p.name,
@@ -227,7 +260,7 @@ class Providers(Lifecycle):
             "reloaded" if old is not None else "added",
             p.spec.size,
         )
-        self._act(ProviderUp(p, old))
+        self.s.act(ProviderUp(p, old))
         if old is not None:
             # The swap, in this one event: what was queued for the old generation is the
             # new one's now (a tool it no longer has settles, never started).
@@ -237,24 +270,24 @@ class Providers(Lifecycle):
             for call in moved:
                 call._queued = False
                 call._provider = None
-                self._enqueue(call)
+                self.dispatch.enqueue(call)
             self._drain(old, "reloaded")
-        self._act(Changed())
-        self._dispatch()
+        self.s.act(Changed())
+        self.dispatch.schedule()
 
     def _unpublish(self, p: ProviderRecord) -> None:
         """p's tools resolve no more."""
         for tool in p.catalog:
-            if self.owner.get(tool) is p:
-                del self.owner[tool]
-                self.catalog.pop(tool, None)
+            if self.s.owner.get(tool) is p:
+                del self.s.owner[tool]
+                self.s.catalog.pop(tool, None)
 
-    def _provider_failed(self, p: ProviderRecord, error: Exception | None) -> None:
+    def failed(self, p: ProviderRecord, error: Exception | None) -> None:
         """A starting provider will not become active (a start failure, a conflict, a
         removal): stop its workers; nothing of it was published."""
-        if self.pending.get(p.name) is p:
-            del self.pending[p.name]
-        p.state = "failed"
+        if self.s.pending.get(p.name) is p:
+            del self.s.pending[p.name]
+        p.advance(ProviderState.FAILED)
         if error is not None and p.broken is None:
             p.broken = (
                 error
@@ -263,62 +296,62 @@ class Providers(Lifecycle):
             )
         p.error = error
         p.ready.clear()
-        for w in list(self.workers.values()):
+        for w in list(self.s.workers.values()):
             if w.provider is p and not w.gone:
                 if w.state is WorkerState.READY and not w.calls:
-                    self._retire(w)
+                    self.dispatch.retire(w)
                 elif w.state is WorkerState.SPAWNING:
                     # Its start counts as failed with the rest: a 'fatal' it may still send
                     # (the same import error) is expected, not a violation.
                     w.start_failed = w.answered = True
-                    self._quarantine(w, None)
+                    self.ladder.quarantine(w, None)
                 elif w.state is not WorkerState.RETIRING:
-                    self._quarantine(w, None)
-        if p.name == "default" and self.starting and self.broken is None:
-            self.broken = p.broken  # the pool's own start failed
-        self._fail_queue(p)
-        self._act(Changed())
+                    self.ladder.quarantine(w, None)
+        if p.name == "default" and self.s.starting and self.s.broken is None:
+            self.s.broken = p.broken  # the pool's own start failed
+        self.settlement.fail_queue(p)
+        self.s.act(Changed())
 
     def _drain(self, p: ProviderRecord, reason: str) -> None:
         """p resolves no more: what is queued for it settles, its idle workers exit, its
         busy ones finish (``drain_grace``, then a cancel with cause ``disposed``)."""
-        p.state = "draining"
+        p.advance(ProviderState.DRAINING)
         p.reason = reason
-        self.draining.append(p)
+        self.s.draining.append(p)
         queued = [c for c in p.queue if c._queued]
         p.queue.clear()
         p.settled_in_queue = 0
         for call in queued:
             call._queued = False
             call._provider = None
-            self._abort_queued(call, _DISPOSED)
+            self.settlement.abort_queued(call, _DISPOSED)
         p.ready.clear()
         busy = False
-        for w in list(self.workers.values()):
+        for w in list(self.s.workers.values()):
             if w.provider is not p or w.gone:
                 continue
             if w.state is WorkerState.SPAWNING:
                 w.draining = True  # retired when its hello comes
             elif w.state is WorkerState.READY and not w.calls:
-                self._retire(w)
+                self.dispatch.retire(w)
             elif w.calls:
                 busy = True
-                self._recall_behind(w, w.calls[0])
+                self.dispatch.recall_behind(w, w.calls[0])
         if busy:
-            grace = self.config.drain_grace
+            grace = self.s.config.graces.drain
             if grace > 0:
-                p.drain_by = self.now + grace
-                self._arm(p.drain_by, "drain", p.id)
+                p.drain_by = self.s.now + grace
+                self.s.arm(p.drain_by, "drain", p.id)
             else:
                 self.drain_due(p.id)
-        if not any(w.provider is p for w in self.workers.values()):
-            self._provider_gone(p)
+        if not any(w.provider is p for w in self.s.workers.values()):
+            self.gone(p)
 
-    def _provider_gone(self, p: ProviderRecord) -> None:
+    def gone(self, p: ProviderRecord) -> None:
         """Every worker of a draining (or failed) provider is gone."""
-        if p.state == "draining":
-            p.state = "gone"
-        if p in self.draining:
-            self.draining.remove(p)
-        self._providers_by_id.pop(p.id, None)
-        self._act(Changed())
+        if p.state is ProviderState.DRAINING:
+            p.advance(ProviderState.GONE)
+        if p in self.s.draining:
+            self.s.draining.remove(p)
+        self.s.providers_by_id.pop(p.id, None)
+        self.s.act(Changed())

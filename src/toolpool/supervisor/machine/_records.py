@@ -1,58 +1,69 @@
-"""What the pool's core knows of calls, groups and workers, and the actions it asks for.
+"""What the machine knows of calls, groups, providers and workers: plain data, no I/O.
 
-Plain data, no I/O: the core (``_core.py`` and the layers below it) reads and changes these
-records; the shell (``_pool.py``) creates calls and groups (the public :class:`toolpool.Call`
-and :class:`toolpool.Group` extend the records here with their awaitable faces) and performs
-the actions.
+The parts of the machine (``_machine.py`` and the parts it owns) read and change these
+records; the shell (``supervisor/_pool.py``) creates calls and groups (the public
+:class:`toolpool.Call` and :class:`toolpool.Group` extend the records here with their
+awaitable faces).
 """
 
 from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
-from ..core import CancelCause, CancelController, CancelSignal, WorkerStartError
-from ._results import Progress, Result, Rung, WorkerState
+from ...core import CancelCause, CancelController, CancelSignal, WorkerStartError
+from .._results import Progress, Result, Rung, WorkerState
 
 __all__ = (
     "KILLED_TEXT",
     "TIMEOUT_TEXT",
     "WORKER_LOST_TEXT",
-    "Action",
     "Autoscale",
     "CallRecord",
+    "CALL_MOVES",
+    "PROVIDER_MOVES",
+    "WORKER_MOVES",
     "CallState",
-    "Changed",
-    "Clean",
-    "Close",
-    "FirstHello",
     "GroupRecord",
-    "Kill",
-    "Orphaned",
-    "ProviderDown",
+    "BrokenInvariant",
+    "IllegalMove",
     "ProviderRecord",
-    "ProviderResized",
     "ProviderSpec",
-    "ProviderUp",
-    "Progressed",
-    "RestartReaper",
-    "Send",
-    "Settled",
-    "Spawn",
-    "Started",
-    "Terminate",
-    "WorkerDown",
-    "Unkillable",
+    "ProviderState",
     "WorkerRecord",
-    "WorkerUp",
 )
 
 WORKER_LOST_TEXT: Final = "Error: worker lost"
 KILLED_TEXT: Final = "Error: tool call killed"
 TIMEOUT_TEXT: Final = "Error: tool call timed out"
+
+
+class IllegalMove(RuntimeError):
+    """A record was asked to move where its transition table does not let it: a bug of the
+    machine, never the world's doing."""
+
+
+def _illegal(record: object, old: enum.Enum, new: enum.Enum) -> IllegalMove:
+    return IllegalMove(f"{record!r}: {old.value} -> {new.value} is not a legal move")
+
+
+def _by_name(moves: dict[Any, frozenset[Any]]) -> dict[str, frozenset[str]]:
+    """A transition table keyed by the states' names: an enum member's hash is computed in
+    Python (``Enum.__hash__``), a name's is cached (``advance`` is on the hot path)."""
+    return {old._name_: frozenset(new._name_ for new in news) for old, news in moves.items()}
+
+
+class BrokenInvariant(AssertionError):
+    """An invariant of the machine's records broke (``Machine.check``): a bug of the
+    machine."""
+
+
+def require(holds: bool, *what: object) -> None:
+    if not holds:
+        raise BrokenInvariant(*what)
 
 
 class CallState(enum.Enum):
@@ -66,6 +77,17 @@ class CallState(enum.Enum):
     """Its worker reported the body started."""
     SETTLED = "settled"
     """It has its result; the pool holds no reference to it any more."""
+
+
+#: A call's legal moves: from each state, where it may go (``CallRecord._advance``). A call
+#: withdrawn from its worker, or never taken up by one that died, goes back to the queue.
+CALL_MOVES: Final[dict[CallState, frozenset[CallState]]] = {
+    CallState.QUEUED: frozenset((CallState.SENT, CallState.SETTLED)),
+    CallState.SENT: frozenset((CallState.QUEUED, CallState.RUNNING, CallState.SETTLED)),
+    CallState.RUNNING: frozenset((CallState.SETTLED,)),
+    CallState.SETTLED: frozenset(),
+}
+_CALL_NEXT: Final = _by_name(CALL_MOVES)
 
 
 class CallRecord:
@@ -122,6 +144,37 @@ class CallRecord:
         self._times: dict[str, float] = {"submitted": now}
         self._progress: Progress | None = None  # what its body last reported
 
+    def _advance(self, to: CallState) -> None:
+        """Move to ``to``, if ``CALL_MOVES`` lets it (else :class:`IllegalMove`). (Named
+        with an underscore: the public :class:`toolpool.Call` extends this record.)"""
+        if to._name_ not in _CALL_NEXT[self._state._name_]:
+            raise _illegal(self, self._state, to)
+        self._state = to
+
+    def _check(self) -> None:
+        """The invariants between its fields (``Machine.check``)."""
+        state, worker = self._state, self._worker
+        # Settled exactly when it has its result.
+        require((state is CallState.SETTLED) == (self._result is not None), self)
+        # A queued call has no worker; a sent or running one has the worker that holds it.
+        if state is CallState.QUEUED:
+            require(worker is None, self)
+        elif state is not CallState.SETTLED:
+            require(worker is not None and self in worker.calls, self)
+        # In a provider's queue only while queued (a settled one is dropped at once, or
+        # counted in the queue's settled_in_queue).
+        if self._queued:
+            require(state is CallState.QUEUED and self._provider is not None, self)
+        # Running: its worker said its body started.
+        if state is CallState.RUNNING:
+            require(self._started, self)
+        # A ladder, a force and a rung only for a cancelled call.
+        if self._laddering or self._forced:
+            require(self._cause is not None, self)
+
+    def __repr__(self) -> str:
+        return f"<call {self.id} {self.tool} {self._state.value}>"
+
 
 class GroupRecord:
     """A group (turn) as the core tracks it: its cancel controller and its unsettled calls.
@@ -166,6 +219,32 @@ class Autoscale:
     idle_after: float  # a worker idle this long (seconds) goes, down to ``minimum``
 
 
+class ProviderState(enum.StrEnum):
+    """Where a provider is (``ProviderRecord.advance``)."""
+
+    STARTING = "starting"
+    """Its first workers start; its tools resolve to it once they are all ready."""
+    ACTIVE = "active"
+    """Its tools resolve to it."""
+    DRAINING = "draining"
+    """Removed or replaced: its running calls finish, nothing new comes."""
+    GONE = "gone"
+    """Every worker of it is gone, after draining."""
+    FAILED = "failed"
+    """It never became active (a start failure, a conflict, removed while starting)."""
+
+
+#: A provider's legal moves.
+PROVIDER_MOVES: Final[dict[ProviderState, frozenset[ProviderState]]] = {
+    ProviderState.STARTING: frozenset((ProviderState.ACTIVE, ProviderState.FAILED)),
+    ProviderState.ACTIVE: frozenset((ProviderState.DRAINING,)),
+    ProviderState.DRAINING: frozenset((ProviderState.GONE,)),
+    ProviderState.GONE: frozenset(),
+    ProviderState.FAILED: frozenset(),
+}
+_PROVIDER_NEXT: Final = _by_name(PROVIDER_MOVES)
+
+
 class ProviderRecord:
     """A provider as the core tracks it: one generation of workers running one tools module.
 
@@ -178,10 +257,7 @@ class ProviderRecord:
         self.name = name
         self.spec = spec
         self.generation = generation
-        #: ``starting`` (its first workers start), ``active`` (its tools resolve to it),
-        #: ``draining`` (removed or replaced: its running calls finish, nothing new comes),
-        #: ``gone`` (every worker of it is gone), ``failed`` (it never became active).
-        self.state = "starting"
+        self.state = ProviderState.STARTING  # (moved by ``advance`` only)
         self.reason = ""  # why it was removed
         self.queue: collections.deque[CallRecord] = collections.deque()
         self.settled_in_queue = 0  # calls settled while queued, not yet dropped from it
@@ -192,11 +268,33 @@ class ProviderRecord:
         self.start_failures = 0
         self.broken: WorkerStartError | None = None
         self.error: Exception | None = None  # why it failed to start (a conflict, ...)
-        self.starting = True  # a start failure now breaks it at once
         self.drain_by: float | None = None  # when its running calls get a cancel (draining)
         self.tally: Any = None  # its statistics (_state.Tally), shared by its generations
         self.autoscale: Autoscale | None = None
         self.scale_armed = False  # its autoscaler's next look is in the timers
+
+    def advance(self, to: ProviderState) -> None:
+        """Move to ``to``, if ``PROVIDER_MOVES`` lets it (staying is no move); else
+        :class:`IllegalMove`."""
+        if to is not self.state and to._name_ not in _PROVIDER_NEXT[self.state._name_]:
+            raise _illegal(self, self.state, to)
+        self.state = to
+
+    @property
+    def starting(self) -> bool:
+        """It never became active (yet): a start failure breaks it at once."""
+        return self.state is ProviderState.STARTING or self.state is ProviderState.FAILED
+
+    def check(self) -> None:
+        """The invariants between its fields (``Machine.check``)."""
+        # Its idle workers are its own, ready, and hold no call.
+        for w in self.ready:
+            require(w.provider is self and w.state is WorkerState.READY and not w.calls, w)
+        # The settled calls still in its queue are counted, never more than it holds.
+        require(0 <= self.settled_in_queue <= len(self.queue), self)
+        # A drain's deadline only once draining.
+        if self.drain_by is not None:
+            require(self.state in (ProviderState.DRAINING, ProviderState.GONE), self)
 
     @property
     def size(self) -> int:
@@ -205,10 +303,29 @@ class ProviderRecord:
     @property
     def live(self) -> bool:
         """It takes calls (or will, once started)."""
-        return self.state in ("starting", "active")
+        return self.state is ProviderState.STARTING or self.state is ProviderState.ACTIVE
 
     def __repr__(self) -> str:
         return f"<provider {self.name!r} gen {self.generation} {self.state}>"
+
+
+_W = WorkerState
+#: A worker's legal moves (``WorkerRecord.advance``; staying is no move). Out of service
+#: (retiring, quarantined, unkillable) it never serves again; exited is its end.
+WORKER_MOVES: Final[dict[WorkerState, frozenset[WorkerState]]] = {
+    _W.SPAWNING: frozenset((_W.READY, _W.RETIRING, _W.QUARANTINED, _W.UNKILLABLE, _W.EXITED)),
+    _W.READY: frozenset((_W.BUSY, _W.RETIRING, _W.QUARANTINED, _W.UNKILLABLE, _W.EXITED)),
+    _W.BUSY: frozenset(
+        (_W.READY, _W.CLEANING, _W.RETIRING, _W.QUARANTINED, _W.UNKILLABLE, _W.EXITED)
+    ),
+    _W.CLEANING: frozenset((_W.BUSY, _W.RETIRING, _W.QUARANTINED, _W.UNKILLABLE, _W.EXITED)),
+    _W.RETIRING: frozenset((_W.QUARANTINED, _W.UNKILLABLE, _W.EXITED)),
+    _W.QUARANTINED: frozenset((_W.UNKILLABLE, _W.EXITED)),
+    _W.UNKILLABLE: frozenset((_W.EXITED,)),
+    _W.EXITED: frozenset(),
+}
+_WORKER_NEXT: Final = _by_name(WORKER_MOVES)
+_EXITED = WorkerState.EXITED  # (bound once: a member read through its class is slow)
 
 
 class WorkerRecord:
@@ -254,7 +371,6 @@ class WorkerRecord:
         "state",
         "unkillable_pids",
         "verified",
-        "violated",
         "violation",
         "wid",
     )
@@ -263,7 +379,10 @@ class WorkerRecord:
         self.wid = wid
         self.secret = secret  # what its hello must carry
         self.provider = provider  # whose tools it runs
-        self.state = WorkerState.SPAWNING
+        self.state = WorkerState.SPAWNING  # (moved by ``advance`` only)
+        #: It and every process of its tree are gone: its state is ``exited`` (kept by
+        #: ``advance``, read on the hot path).
+        self.gone = False
         self.pid: int | None = None
         self.start_method: str | None = None  # how the reaper started it, once it said
         # Its calls in the order sent: the first runs (or is next), the rest wait in its queue.
@@ -277,11 +396,9 @@ class WorkerRecord:
         self.exit_status: int | None = None
         self.fatal: str | None = None
         self.violation: str | None = None
-        self.violated = False  # quarantined for breaking the protocol: its word counts no more
         self.lost_reason: str | None = None  # why its call is lost, if not its exit (reaper)
         self.start_failed = False
         self.answered = False  # it said hello, or its start failed
-        self.gone = False  # it and every process of its tree are gone
         self.verified = True  # ... and that was checked (False: its reaper died, no cgroup)
         self.orphaned = False  # its reaper died: the shell ends its tree itself
         self.disconnected = False
@@ -311,168 +428,43 @@ class WorkerRecord:
         """The call it runs, or takes up next."""
         return self.calls[0] if self.calls else None
 
+    def advance(self, to: WorkerState) -> None:
+        """Move to ``to``, if ``WORKER_MOVES`` lets it (staying is no move); else
+        :class:`IllegalMove`."""
+        if to is not self.state and to._name_ not in _WORKER_NEXT[self.state._name_]:
+            raise _illegal(self, self.state, to)
+        self.state = to
+        self.gone = to is _EXITED
+
+    @property
+    def violated(self) -> bool:
+        """Quarantined for breaking the protocol: its word counts no more."""
+        return self.violation is not None
+
+    def check(self) -> None:
+        """The invariants between its fields (``Machine.check``)."""
+        state = self.state
+        require(self.gone == (state is WorkerState.EXITED), self)
+        # Its calls are its own, sent or running, and only the first can be running.
+        for i, call in enumerate(self.calls):
+            require(call._worker is self, (self, call))
+            running = i == 0 and call._state is CallState.RUNNING
+            require(call._state is CallState.SENT or running, self, call)
+        # Idle when ready: a ready worker holds no call; a busy or cleaning one holds one.
+        if state is WorkerState.READY:
+            require(not self.calls, self)
+        # A failed start is an answer (its hello will never come).
+        if self.start_failed:
+            require(self.answered, self)
+        # Cleaning: a result waits for its leftovers' end.
+        if state is WorkerState.CLEANING:
+            require(self.pending is not None or self.holding, self)
+        # Unkillable only once its tree was asked SIGKILLed.
+        if state is WorkerState.UNKILLABLE:
+            require(self.killed_at is not None, self)
+        # Hung only once it said hello.
+        if self.hung:
+            require(self.answered, self)
+
     def __repr__(self) -> str:
         return f"<worker {self.wid} pid={self.pid} {self.state.value}>"
-
-
-# --------------------------------------------------------------------------- actions
-# What the core asks the shell to do (``PoolCore.flush`` returns them in order).
-
-
-class Send(NamedTuple):
-    """Send ``frames`` to worker ``wid`` as one multipart message. ``calls`` are the calls
-    whose ``call`` frames these are: if the send fails, report ``send_failed``."""
-
-    wid: int
-    frames: list[bytes]
-    calls: tuple[CallRecord, ...] = ()
-
-
-class Spawn(NamedTuple):
-    """Start worker ``wid`` of ``provider`` (its socket, files, the reaper's spawn); its
-    hello must carry ``secret``."""
-
-    wid: int
-    secret: bytes
-    provider: str = "default"
-
-
-class Terminate(NamedTuple):
-    """SIGTERM worker ``wid``'s whole tree."""
-
-    wid: int
-
-
-class Kill(NamedTuple):
-    """SIGKILL worker ``wid``'s whole tree (the reaper freezes it and loops until empty)."""
-
-    wid: int
-
-
-class Clean(NamedTuple):
-    """Kill what worker ``wid``'s last call left running (never the worker); answered by
-    ``cleaned``."""
-
-    wid: int
-
-
-class Close(NamedTuple):
-    """Worker ``wid`` is gone: close its socket and files."""
-
-    wid: int
-
-
-class Unkillable(NamedTuple):
-    """Worker ``wid``'s tree is still there ``unkillable_after`` seconds after its SIGKILL
-    (``pids``: its processes then): report it (the core has logged it, taken the worker out
-    of service and started its replacement; the reaper goes on reaping it)."""
-
-    wid: int
-    pids: tuple[int, ...]
-
-
-class Orphaned(NamedTuple):
-    """The reaper died: end worker ``wid``'s tree without it (its cgroup, where it has one),
-    then report ``worker_gone`` saying whether the whole tree was verified gone."""
-
-    wid: int
-
-
-class RestartReaper(NamedTuple):
-    """Every worker of the dead reaper is gone: start a new one, then report
-    ``reaper_ready`` (or ``reaper_failed``)."""
-
-
-class Settled(NamedTuple):
-    """``call`` settled: wake whoever waits for it."""
-
-    call: CallRecord
-
-
-class Started(NamedTuple):
-    """``call``'s body started: wake whoever waits for that."""
-
-    call: CallRecord
-
-
-class Progressed(NamedTuple):
-    """``call``'s body reported progress (``call._progress``): wake whoever follows it."""
-
-    call: CallRecord
-
-
-class Changed(NamedTuple):
-    """The workers changed (one became ready, failed, or is gone)."""
-
-
-class FirstHello(NamedTuple):
-    """The first hello of a provider's worker: the containment layers it applied."""
-
-    containment: Mapping[str, Any]
-    provider: str = "default"
-
-
-class ProviderUp(NamedTuple):
-    """``provider`` became resolvable: every worker it started with is ready (an add, or a
-    reload swapped in). ``replaced``: the generation it took over from (a reload)."""
-
-    provider: ProviderRecord
-    replaced: ProviderRecord | None = None
-
-
-class ProviderDown(NamedTuple):
-    """``provider`` is no longer resolvable (removed, rolled back, failed to start,
-    replaced by a reload): announce its removal."""
-
-    provider: ProviderRecord
-    reason: str
-
-
-class ProviderResized(NamedTuple):
-    """``provider`` was resized from ``old`` to ``new`` workers (``reason``: a ``resize``
-    call, or the autoscaler's decision and why)."""
-
-    provider: ProviderRecord
-    old: int
-    new: int
-    reason: str
-
-
-class WorkerUp(NamedTuple):
-    """Worker ``wid`` (``pid``) of ``provider`` said hello: it serves."""
-
-    wid: int
-    pid: int | None
-    provider: str
-
-
-class WorkerDown(NamedTuple):
-    """Worker ``wid`` and its tree are gone; ``why``: retired, crashed, killed, lost."""
-
-    wid: int
-    pid: int | None
-    provider: str
-    why: str
-
-
-Action = (
-    Send
-    | Spawn
-    | Terminate
-    | Kill
-    | Clean
-    | Close
-    | Orphaned
-    | Unkillable
-    | RestartReaper
-    | Settled
-    | Started
-    | Progressed
-    | Changed
-    | FirstHello
-    | ProviderUp
-    | ProviderDown
-    | ProviderResized
-    | WorkerUp
-    | WorkerDown
-)

@@ -8,8 +8,8 @@ import logging
 import signal
 from typing import Any, Final
 
-from ..core import WorkerStartError
-from ..protocol import (
+from ...core import WorkerStartError
+from ...protocol import (
     PROGRESS_INTERVAL,
     PROTOCOL_VERSION,
     Ack,
@@ -18,36 +18,34 @@ from ..protocol import (
     Heartbeat,
     Hello,
     Pong,
-    Progress,
+    ProgressMessage,
     ProtocolViolation,
+    ResultMessage,
     Resume,
+    StartedMessage,
     Withdrawn,
     encode,
 )
-from ..protocol import Result as ResultMessage
-from ..protocol import Started as StartedMessage
-from ._escalation import Escalation
-from ._records import (
-    CallState,
+from .._results import Progress, Rung, WorkerState
+from ._actions import (
     Changed,
     Clean,
     Close,
     FirstHello,
     Orphaned,
     Progressed,
-    ProviderRecord,
     RestartReaper,
-    Spawn,
     Started,
     Unkillable,
     WorkerDown,
-    WorkerRecord,
     WorkerUp,
 )
-from ._results import Progress as CallProgress
-from ._results import Rung, WorkerState
-from ._settlement import describe_exit
-from ._state import Proc, Wait
+from ._dispatch import Dispatch
+from ._fleet import Fleet
+from ._ladder import Ladder
+from ._records import CallState, ProviderState, WorkerRecord
+from ._settlement import Settlement, describe_exit
+from ._state import Proc, State, Wait
 
 __all__ = ("EXIT_TOOLS_FAILED", "HUNG_AFTER_BEATS", "Lifecycle")
 
@@ -71,66 +69,33 @@ HUNG_AFTER_BEATS: Final = 3
 _BUDGET_BURST: Final = 1000.0
 
 
-#: The states of a worker that will never take a call again.
-_OUT_OF_SERVICE: Final = frozenset(
-    (WorkerState.RETIRING, WorkerState.QUARANTINED, WorkerState.UNKILLABLE, WorkerState.EXITED)
-)
-
-
 def _spawning(w: WorkerRecord) -> bool:
     return w.state is WorkerState.SPAWNING and not w.gone
 
 
-class Lifecycle(Escalation):
-    """Worker lifecycle and messages."""
+class Lifecycle:
+    """Workers' lives and messages, and the reaper's death."""
 
-    # (_providers.py)
-    def _maybe_activate(self, p: ProviderRecord) -> None:
-        raise NotImplementedError
-
-    def _provider_failed(self, p: ProviderRecord, error: Exception) -> None:
-        raise NotImplementedError
-
-    def _provider_gone(self, p: ProviderRecord) -> None:
-        raise NotImplementedError
+    def __init__(
+        self, state: State, settlement: Settlement, dispatch: Dispatch, ladder: Ladder, fleet: Fleet
+    ) -> None:
+        self.s = state
+        self.settlement = settlement
+        self.dispatch = dispatch
+        self.ladder = ladder
+        self.fleet = fleet
 
     # ------------------------------------------------------------------ start
 
-    def _spawn(self, p: ProviderRecord) -> WorkerRecord:
-        wid = next(self._wids)
-        w = WorkerRecord(wid, self._new_secret(), p)
-        self.workers[wid] = w
-        p.tally.started += 1
-        self._arm(self.now + self.config.start_timeout, "hello", wid)
-        self._act(Spawn(wid, w.secret, p.name))
-        return w
-
-    def _serves(self, w: WorkerRecord) -> bool:
-        """w serves or will: not gone, draining, retiring, quarantined or unkillable."""
-        return not w.gone and not w.draining and w.state not in _OUT_OF_SERVICE
-
-    def _serving_count(self, p: ProviderRecord) -> int:
-        """p's workers that serve or will."""
-        return sum(1 for w in self.workers.values() if w.provider is p and self._serves(w))
-
-    def _top_up(self, p: ProviderRecord) -> list[WorkerRecord]:
-        """Start workers until p has its size plus its warm spares; the ones started."""
-        if self.closing or self.broken is not None or p.broken is not None or not p.live:
-            return []
-        if not self.reaper_up:
-            return []  # the new reaper starts a full complement
-        missing = p.spec.size + p.spec.warm_spares - self._serving_count(p)
-        return [self._spawn(p) for _ in range(missing)]
-
-    def _hello_overdue(self, wid: int) -> None:
-        w = self.workers.get(wid)
+    def hello_overdue(self, wid: int) -> None:
+        w = self.s.workers.get(wid)
         if w is not None and _spawning(w):
-            self._start_failure(w, "the worker did not say hello in time")
+            self.start_failure(w, "the worker did not say hello in time")
 
-    def _start_failure(self, w: WorkerRecord, reason: str) -> None:
+    def start_failure(self, w: WorkerRecord, reason: str) -> None:
         w.start_failed = True
         w.answered = True
-        self._quarantine(w, None)
+        self.ladder.quarantine(w, None)
         p = w.provider
         p.start_failures += 1
         _log.log(
@@ -142,37 +107,39 @@ class Lifecycle(Escalation):
             reason.strip().splitlines()[-1] if reason.strip() else reason,
             extra={"worker_pid": w.pid, "reason": reason},
         )
-        if p.broken is None and (p.start_failures >= self.config.max_start_failures or p.starting):
+        if p.broken is None and (
+            p.start_failures >= self.s.config.max_start_failures or p.starting
+        ):
             p.broken = WorkerStartError(
                 f"workers for {p.spec.tools_spec!r} fail to start: {reason.strip()}"
             )
             if p.starting:
-                self._provider_failed(p, p.broken)
+                self.fleet.failed(p, p.broken)
             else:
-                self._fail_queue(p)
-        self._act(Changed())
+                self.settlement.fail_queue(p)
+        self.s.act(Changed())
 
-    def _violated(self, w: WorkerRecord, violation: str) -> None:
+    def violated(self, w: WorkerRecord, violation: str) -> None:
         """w broke the protocol: quarantine it; before its hello, that is a start failure."""
         spawning = _spawning(w)  # before the quarantine changes its state
-        self._quarantine(w, violation)
+        self.ladder.quarantine(w, violation)
         if spawning:
-            self._start_failure(w, violation)
+            self.start_failure(w, violation)
 
     def _await_fatal(self, w: WorkerRecord) -> Proc:
         """w exited at start saying its tools failed: wait briefly for its 'fatal'."""
-        yield Wait(self.now + _FATAL_TRAILS_BY, lambda: w.answered)
+        yield Wait(self.s.now + _FATAL_TRAILS_BY, lambda: w.answered)
         if not w.start_failed:
-            self._start_failure(w, f"the worker exited with status {w.exit_status} at start")
+            self.start_failure(w, f"the worker exited with status {w.exit_status} at start")
         w.awaiting_fatal = False
         if w.gone_deferred:  # its tree's end came meanwhile: now it counts
-            self._worker_gone(w)
+            self.worker_gone(w)
         elif w.gone:
-            self._maybe_replace(w)
+            self.maybe_replace(w)
 
     # ------------------------------------------------------------------ messages
 
-    def _on_message(self, w: WorkerRecord, msg: Any, peer_pid: int | None) -> None:
+    def on_message(self, w: WorkerRecord, msg: Any, peer_pid: int | None) -> None:
         if isinstance(msg, ResultMessage):
             self._on_result(w, msg)
         elif isinstance(msg, StartedMessage):
@@ -180,9 +147,9 @@ class Lifecycle(Escalation):
             if call is None or call.id != msg.call_id or call._started:
                 raise ProtocolViolation(f"'started' for call {msg.call_id}, which it does not run")
             call._started = True
-            call._state = CallState.RUNNING
-            call._times["started"] = self.now
-            self._act(Started(call))
+            call._advance(CallState.RUNNING)
+            call._times["started"] = self.s.now
+            self.s.act(Started(call))
         elif isinstance(msg, CancelAck):
             # One per cancel it was sent, for its current or just-settled call: anything else
             # is a violation (a flood of acks would otherwise cost the supervisor for free).
@@ -191,7 +158,7 @@ class Lifecycle(Escalation):
             w.acks_expected.discard(msg.call_id)
             call = w.call
             if call is not None and call.id == msg.call_id:
-                call._times.setdefault("cancel_delivered", self.now)
+                call._times.setdefault("cancel_delivered", self.s.now)
         elif isinstance(msg, Withdrawn):
             self._on_withdrawn(w, msg)
         elif isinstance(msg, Hello):
@@ -202,13 +169,13 @@ class Lifecycle(Escalation):
             if w.state is not WorkerState.SPAWNING or not hmac.compare_digest(msg.secret, w.secret):
                 raise ProtocolViolation("an unexpected 'fatal' message")
             w.fatal = msg.error
-            self._start_failure(w, msg.error)
+            self.start_failure(w, msg.error)
         elif isinstance(msg, Heartbeat):
             if not w.answered:
                 raise ProtocolViolation("a heartbeat before its hello")
             self._spend(w)
-            self._on_heartbeat(w)
-        elif isinstance(msg, Progress):
+            self.on_heartbeat(w)
+        elif isinstance(msg, ProgressMessage):
             self._spend(w)
             self._on_progress(w, msg)
         elif isinstance(msg, Pong):
@@ -221,18 +188,18 @@ class Lifecycle(Escalation):
     # ------------------------------------------------------------------ liveness, progress
 
     def _hung_after(self) -> float | None:
-        beat = self.config.heartbeat
+        beat = self.s.config.heartbeat
         return None if beat is None else beat * HUNG_AFTER_BEATS
 
-    def _on_heartbeat(self, w: WorkerRecord) -> None:
+    def on_heartbeat(self, w: WorkerRecord) -> None:
         """w's threads run (its hello counts as the first heartbeat)."""
-        silent, w.beat_at = self.now - w.beat_at, self.now
+        silent, w.beat_at = self.s.now - w.beat_at, self.s.now
         hung_after = self._hung_after()
         if hung_after is None:
             return
         if w.hung:
             w.hung = False
-            self._act(Changed())  # (statistics' `hung` waiters)
+            self.s.act(Changed())  # (statistics' `hung` waiters)
             _log.info(
                 "worker %s (pid %s) answers again: a heartbeat after %.1f s of none",
                 w.wid,
@@ -241,56 +208,56 @@ class Lifecycle(Escalation):
                 extra={"worker_pid": w.pid},
             )
         if not w.answered:  # (the hello: from now on a heartbeat is expected)
-            self._arm(self.now + hung_after, "beat", w.wid)
+            self.s.arm(self.s.now + hung_after, "beat", w.wid)
 
-    def _beat_overdue(self, wid: int) -> None:
+    def beat_overdue(self, wid: int) -> None:
         """The time by which w's next heartbeat was due when this timer was set: hung now,
         or (a heartbeat came since) look again when the next one is due."""
-        w = self.workers.get(wid)
+        w = self.s.workers.get(wid)
         hung_after = self._hung_after()
         if w is None or w.gone or hung_after is None:
             return
         due = w.beat_at + hung_after
-        if self.now < due:
-            self._arm(due, "beat", wid)
+        if self.s.now < due:
+            self.s.arm(due, "beat", wid)
             return
         if not w.hung:
             w.hung = True
-            self._act(Changed())
+            self.s.act(Changed())
             call = w.call
             _log.warning(
                 "worker %s (pid %s) is hung: no heartbeat for %.1f s (no thread of it runs: "
                 "a C extension holding the GIL, a stopped process)%s",
                 w.wid,
                 w.pid,
-                self.now - w.beat_at,
+                self.s.now - w.beat_at,
                 f"; it runs call {call.id} ({call.tool})" if call is not None else "",
                 extra={"worker_pid": w.pid, "call_id": call.id if call else None},
             )
-        self._arm(self.now + hung_after, "beat", wid)
+        self.s.arm(self.s.now + hung_after, "beat", wid)
 
     def _spend(self, w: WorkerRecord) -> None:
         """One message w sent unasked: a flood of them breaks the protocol (C7)."""
-        beat = self.config.heartbeat
+        beat = self.s.config.heartbeat
         rate = 2.0 * ((1.0 / beat if beat else 0.0) + 1.0 / PROGRESS_INTERVAL)
-        budget = min(_BUDGET_BURST, w.budget + (self.now - w.budget_at) * rate) - 1.0
-        w.budget, w.budget_at = budget, self.now
+        budget = min(_BUDGET_BURST, w.budget + (self.s.now - w.budget_at) * rate) - 1.0
+        w.budget, w.budget_at = budget, self.s.now
         if budget < 0:
             raise ProtocolViolation("a flood of heartbeat and progress messages")
 
-    def _on_progress(self, w: WorkerRecord, msg: Progress) -> None:
+    def _on_progress(self, w: WorkerRecord, msg: ProgressMessage) -> None:
         call = w.call
         if call is None or call.id != msg.call_id or not call._started:
             raise ProtocolViolation(f"progress for call {msg.call_id}, whose body it does not run")
-        call._progress = CallProgress(msg.done, msg.total, msg.message)
-        self._act(Progressed(call))
+        call._progress = Progress(msg.done, msg.total, msg.message)
+        self.s.act(Progressed(call))
 
     def _on_result(self, w: WorkerRecord, msg: ResultMessage) -> None:
-        settle = self._received(w, msg)
+        settle = self.settlement.received(w, msg)
         if not msg.extras.get("kept", False) and len(w.calls) > 1:
             # Not in its ledger: it takes up nothing more until it knows this arrived.
-            self._send(w, encode(Ack(w.results)))
-        background = self.config.allow_background
+            self.dispatch.send(w, encode(Ack(w.results)))
+        background = w.provider.spec.allow_background
         leftovers = msg.leftovers
         # With a leftover it reported, the worker takes up nothing more until 'resume'.
         w.holding = leftovers > 0 and not background
@@ -299,18 +266,18 @@ class Lifecycle(Escalation):
             # but the worker (a child re-parented away with clone(CLONE_PARENT), or one a
             # tool hid by patching the worker) is left over too. Only while no other call
             # is in the worker: one taken up since could own them.
-            leftovers = self.probe.other_members(w.wid, w.pid) or 0
-        if leftovers and not background and self.reaper_up:
+            leftovers = self.s.probe.other_members(w.wid, w.pid) or 0
+        if leftovers and not background and self.s.reaper_up:
             # The call left processes behind: kill them before settling, so the result
             # can say how many, and the next call never inherits them.
             w.pending = settle
             if w.state is WorkerState.BUSY:
-                w.state = WorkerState.CLEANING
-            self._act(Clean(w.wid))
+                w.advance(WorkerState.CLEANING)
+            self.s.act(Clean(w.wid))
             return
         settle()
         if w.calls:
-            self.probe.reset_peak(w.wid)  # the next call's peak starts about now
+            self.s.probe.reset_peak(w.wid)  # the next call's peak starts about now
         self._resume(w)
 
     def _on_withdrawn(self, w: WorkerRecord, msg: Withdrawn) -> None:
@@ -323,12 +290,12 @@ class Lifecycle(Escalation):
         w.calls.remove(call)
         w.acks_expected.discard(call.id)
         if call._cause is not None:
-            call._times.setdefault("cancel_delivered", self.now)
+            call._times.setdefault("cancel_delivered", self.s.now)
             call._worker = None
             call._rung = Rung.CANCEL
-            self._settle_unstarted(call, call._cause)
+            self.settlement.settle_unstarted(call, call._cause)
         else:
-            self._requeue(call)
+            self.dispatch.requeue(call)
         self._resume(w)
 
     def _on_hello(self, w: WorkerRecord, msg: Hello, peer_pid: int | None) -> None:
@@ -338,7 +305,7 @@ class Lifecycle(Escalation):
             raise ProtocolViolation("hello with a wrong secret")
         if msg.version != PROTOCOL_VERSION:
             w.fatal = f"protocol version {msg.version}, expected {PROTOCOL_VERSION}"
-            self._start_failure(w, w.fatal)
+            self.start_failure(w, w.fatal)
             return
         if w.pid is not None and msg.pid != w.pid:
             raise ProtocolViolation(f"hello from pid {msg.pid}, but the worker is {w.pid}")
@@ -375,37 +342,37 @@ class Lifecycle(Escalation):
         w.catalog = catalog
         if p.worker_layers is None:
             p.worker_layers = dict(msg.containment)
-            self._act(FirstHello(p.worker_layers, p.name))
-        w.state = WorkerState.READY
-        self._on_heartbeat(w)
-        w.budget, w.budget_at = _BUDGET_BURST, self.now
+            self.s.act(FirstHello(p.worker_layers, p.name))
+        w.advance(WorkerState.READY)
+        self.on_heartbeat(w)
+        w.budget, w.budget_at = _BUDGET_BURST, self.s.now
         w.answered = True
-        w.head_since = self.now  # (idle since: the autoscaler reads it)
+        w.head_since = self.s.now  # (idle since: the autoscaler reads it)
         p.start_failures = 0
         _log.debug("worker %s (pid %s) ready", w.wid, w.pid, extra={"worker_pid": w.pid})
-        self._act(WorkerUp(w.wid, w.pid, p.name))
-        if self.closing or not p.live or w.draining:
-            self._retire(w)
+        self.s.act(WorkerUp(w.wid, w.pid, p.name))
+        if self.s.closing or not p.live or w.draining:
+            self.dispatch.retire(w)
         else:
             p.ready.append(w)
-            self._maybe_activate(p)
-            self._dispatch()
-        self._act(Changed())
+            self.fleet.maybe_activate(p)
+            self.dispatch.schedule()
+        self.s.act(Changed())
 
     # ------------------------------------------------------------------ the reaper's reports
 
-    def _on_spawned(self, w: WorkerRecord, pid: int, method: str) -> None:
+    def on_spawned(self, w: WorkerRecord, pid: int, method: str) -> None:
         w.pid = pid
         if w.peer_pid is not None and w.peer_pid != pid and w.answered:
             # Its hello (handled before this report) came from another process.
-            self._quarantine(w, f"hello sent by process {w.peer_pid}, not the worker")
+            self.ladder.quarantine(w, f"hello sent by process {w.peer_pid}, not the worker")
         w.start_method = method
         _log.debug("worker %s started (pid %s, %s)", w.wid, pid, method, extra={"worker_pid": pid})
         if w.state is WorkerState.READY:
-            self._maybe_activate(w.provider)
-        self._act(Changed())
+            self.fleet.maybe_activate(w.provider)
+        self.s.act(Changed())
 
-    def _on_exited(self, w: WorkerRecord, status: int, oom_kills: int) -> None:
+    def on_exited(self, w: WorkerRecord, status: int, oom_kills: int) -> None:
         w.exit_status = status
         w.oom_kills = oom_kills
         if w.state is WorkerState.SPAWNING and not w.start_failed:
@@ -413,30 +380,36 @@ class Lifecycle(Escalation):
                 # It sent 'fatal' (with the traceback) before exiting: the message can
                 # trail the exit report by a moment. Wait for it, briefly.
                 w.awaiting_fatal = True
-                self._spawn_proc(self._await_fatal(w))
+                self.s.spawn_proc(self._await_fatal(w))
             else:
-                self._start_failure(w, f"the worker exited with status {status} at start")
+                self.start_failure(w, f"the worker exited with status {status} at start")
 
-    def _on_gone(self, w: WorkerRecord) -> None:
+    def on_gone(self, w: WorkerRecord) -> None:
         if w.awaiting_fatal:
             # Its 'fatal' can trail this report too (the socket's I/O thread lags under
             # load): its socket stays open and read until _await_fatal is done.
             w.gone_deferred = True
         else:
-            self._worker_gone(w)
+            self.worker_gone(w)
 
-    def _on_cleaned(self, w: WorkerRecord, count: int) -> None:
+    def _resume(self, w: WorkerRecord) -> None:
+        """w serves on (:meth:`Dispatch.resume`); one that retired having served its
+        ``max_calls`` is replaced at once."""
+        if self.dispatch.resume(w):
+            self.fleet.top_up(w.provider)
+
+    def on_cleaned(self, w: WorkerRecord, count: int) -> None:
         pending, w.pending = w.pending, None
         if pending is not None:
             pending(leftovers_killed=count)
         if w.holding and not w.gone:
             w.holding = False
             if w.calls:
-                self.probe.reset_peak(w.wid)  # the next call's peak starts now
-            self._send(w, encode(Resume()))
+                self.s.probe.reset_peak(w.wid)  # the next call's peak starts now
+            self.dispatch.send(w, encode(Resume()))
         self._resume(w)
 
-    def _worker_gone(self, w: WorkerRecord) -> None:
+    def worker_gone(self, w: WorkerRecord) -> None:
         """The worker and every process it spawned are gone: settle, replace (C4.3, C4.6).
 
         The shell read what it sent before it died first: a result may have been unread.
@@ -447,46 +420,45 @@ class Lifecycle(Escalation):
         was_serving = was_serving and w.answered and not w.start_failed
         retired = w.state is WorkerState.RETIRING
         unkillable = w.state is WorkerState.UNKILLABLE
-        w.gone = True
+        w.advance(WorkerState.EXITED)  # (gone)
         p = w.provider
         if w.killed_at is not None and not w.orphaned:
-            p.tally.kill_to_reaped.observe(self.now - w.killed_at)
+            p.tally.kill_to_reaped.observe(self.s.now - w.killed_at)
         if w in p.ready:
             p.ready.remove(w)
         pending, w.pending = w.pending, None
         if pending is not None:  # its body returned; the clean-up was overtaken by its death
             pending()
         held = bool(w.calls)
-        requeue = self._settle_calls_of_dead(w)
+        requeue = self.settlement.settle_calls_of_dead(w)
         for call in reversed(requeue):
-            self._requeue(call)  # in order, at the front
-        w.state = WorkerState.EXITED
-        del self.workers[w.wid]
-        self._act(Close(w.wid))
+            self.dispatch.requeue(call)  # in order, at the front
+        del self.s.workers[w.wid]
+        self.s.act(Close(w.wid))
         if not unkillable:  # (an unkillable one was announced when it went out of service)
-            self._act(WorkerDown(w.wid, w.pid, p.name, self._exit_kind(w, retired)))
-        self._act(Changed())
+            self.s.act(WorkerDown(w.wid, w.pid, p.name, self._exit_kind(w, retired)))
+        self.s.act(Changed())
         if unkillable:
             _log.warning(
                 "unkillable worker %s (pid %s): its tree is gone at last, %.1f s after SIGKILL",
                 w.wid,
                 w.pid,
-                self.now - (w.killed_at or self.now),
+                self.s.now - (w.killed_at or self.s.now),
                 extra={"worker_pid": w.pid, "pids": list(w.unkillable_pids)},
             )
         else:
             self._log_gone(w, retired=retired, held=held)
-        if p.state in ("draining", "failed") and not any(
-            x.provider is p for x in self.workers.values()
+        if p.state in (ProviderState.DRAINING, ProviderState.FAILED) and not any(
+            x.provider is p for x in self.s.workers.values()
         ):
-            self._provider_gone(p)
+            self.fleet.gone(p)
         if not w.awaiting_fatal and not w.replaced:  # else: decided once the start failure
-            self._maybe_replace(w, counts=was_serving)  # is known; or replaced already
-        if not self.reaper_up:
+            self.maybe_replace(w, counts=was_serving)  # is known; or replaced already
+        if not self.s.reaper_up:
             self._restart_reaper_when_clear()
-        self._dispatch()  # a warm spare (or any idle worker) takes what is queued
+        self.dispatch.schedule()  # a warm spare (or any idle worker) takes what is queued
 
-    def _kill_overdue(self, wid: int) -> None:
+    def kill_overdue(self, wid: int) -> None:
         """``unkillable_after`` seconds since w's tree was first asked SIGKILLed: if it is
         not gone, a process of it does not die (uninterruptible sleep: a hung NFS or FUSE
         mount, a frozen cgroup v1, a device driver). w is unkillable: out of service,
@@ -494,15 +466,15 @@ class Lifecycle(Escalation):
         known alive), nor the calls behind its first run elsewhere (a reaper that could not
         deliver the SIGKILL would leave w running them): both wait for its tree's end, which
         the reaper goes on waiting for (or, its reaper dead, the shell: ``Orphaned``)."""
-        w = self.workers.get(wid)
+        w = self.s.workers.get(wid)
         if w is None or w.gone or w.state is WorkerState.UNKILLABLE:
             return
         was_serving = w.state in (WorkerState.READY, WorkerState.BUSY, WorkerState.QUARANTINED)
         was_serving = was_serving and w.answered and not w.start_failed
         if w in w.provider.ready:
             w.provider.ready.remove(w)
-        w.state = WorkerState.UNKILLABLE
-        w.unkillable_pids = tuple(self.probe.tree_pids(wid, w.pid))
+        w.advance(WorkerState.UNKILLABLE)
+        w.unkillable_pids = tuple(self.s.probe.tree_pids(wid, w.pid))
         w.provider.tally.unkillable += 1
         call = w.call
         _log.error(
@@ -511,7 +483,7 @@ class Lifecycle(Escalation):
             "its processes die",
             w.wid,
             w.pid,
-            self.config.unkillable_after,
+            self.s.config.graces.unkillable_after,
             ", ".join(map(str, w.unkillable_pids)) or "unknown",
             f"Its call {call.id} ({call.tool}) stays unsettled until then"
             if call is not None
@@ -522,12 +494,12 @@ class Lifecycle(Escalation):
                 "call_id": call.id if call is not None else None,
             },
         )
-        self._act(Unkillable(wid, w.unkillable_pids))
-        self._act(Changed())
+        self.s.act(Unkillable(wid, w.unkillable_pids))
+        self.s.act(Changed())
         if not w.awaiting_fatal:
             w.replaced = True
-            self._maybe_replace(w, counts=was_serving)
-        if not self.reaper_up:  # an orphan: the new reaper need not wait for its tree
+            self.maybe_replace(w, counts=was_serving)
+        if not self.s.reaper_up:  # an orphan: the new reaper need not wait for its tree
             self._restart_reaper_when_clear()
 
     def _log_gone(self, w: WorkerRecord, *, retired: bool, held: bool) -> None:
@@ -548,7 +520,7 @@ class Lifecycle(Escalation):
             _log.debug("worker %s (pid %s) %s", w.wid, w.pid, why, extra=extra)
         elif retired or w.start_failed:
             _log.debug("worker %s (pid %s) exited: %s", w.wid, w.pid, why, extra=extra)
-        elif w.escalated or self.closing:
+        elif w.escalated or self.s.closing:
             _log.info("worker %s (pid %s) is gone: %s", w.wid, w.pid, why, extra=extra)
         else:
             during = " during a call" if held else ""
@@ -566,18 +538,18 @@ class Lifecycle(Escalation):
             return "lost"  # (its connection dropped, and it was killed for that)
         return "crashed"  # it died on its own (its connection dropped as it did)
 
-    def _maybe_replace(self, w: WorkerRecord, *, counts: bool = False) -> None:
+    def maybe_replace(self, w: WorkerRecord, *, counts: bool = False) -> None:
         p = w.provider
-        if self.closing or self.broken is not None or p.broken is not None or not p.live:
+        if self.s.closing or self.s.broken is not None or p.broken is not None or not p.live:
             return
         if counts:
             p.tally.replaced += 1
-        if not self.reaper_up:
+        if not self.s.reaper_up:
             return  # the new reaper starts a full complement
         if w.start_failed:
-            self._arm(self.now + min(2.0, 0.05 * 2**p.start_failures), "respawn", p.id)
+            self.s.arm(self.s.now + min(2.0, 0.05 * 2**p.start_failures), "respawn", p.id)
         else:
-            for new in self._top_up(p):
+            for new in self.fleet.top_up(p):
                 _log.info(
                     "worker %s (pid %s) replaced by worker %s",
                     w.wid,
@@ -586,28 +558,28 @@ class Lifecycle(Escalation):
                     extra={"worker_pid": w.pid},
                 )
 
-    def _respawn_due(self, provider_id: int) -> None:
-        p = self._providers_by_id.get(provider_id)
+    def respawn_due(self, provider_id: int) -> None:
+        p = self.s.providers_by_id.get(provider_id)
         if p is not None:
-            self._top_up(p)
+            self.fleet.top_up(p)
 
     # ------------------------------------------------------------------ the reaper's death
 
-    def _reaper_lost(self) -> None:
+    def reaper_lost(self) -> None:
         """The reaper died. Its workers die with it (PDEATHSIG), their descendants may not:
         the shell ends each tree itself (``Orphaned``) and reports it gone, saying whether
         that was verified. No call settles before. Then a new reaper starts (C4.3, C4.6)."""
-        if not self.reaper_up:
+        if not self.s.reaper_up:
             return
-        self.reaper_up = False
-        if self.starting and self.broken is None:
-            self.broken = WorkerStartError("the pool's reaper process went away")
-            self._fail_queues()
+        self.s.reaper_up = False
+        if self.s.starting and self.s.broken is None:
+            self.s.broken = WorkerStartError("the pool's reaper process went away")
+            self.settlement.fail_queues()
         _log.error(
             "the pool's reaper process died; ending its workers' trees without it%s",
-            "" if self.closing or self.broken else ", then starting a new one",
+            "" if self.s.closing or self.s.broken else ", then starting a new one",
         )
-        for w in list(self.workers.values()):
+        for w in list(self.s.workers.values()):
             if w.gone or w.orphaned:  # (orphaned: an earlier reaper's, being ended already)
                 continue
             w.orphaned = True
@@ -615,57 +587,57 @@ class Lifecycle(Escalation):
             if w in w.provider.ready:
                 w.provider.ready.remove(w)
             if w.state not in (WorkerState.RETIRING, WorkerState.UNKILLABLE):
-                w.state = WorkerState.QUARANTINED  # no call is sent to it any more
-            self._act(Orphaned(w.wid))
-            self._start_kill_clock(w)  # (the shell SIGKILLs its tree now)
-        self._act(Changed())
+                w.advance(WorkerState.QUARANTINED)  # no call is sent to it any more
+            self.s.act(Orphaned(w.wid))
+            self.ladder.start_kill_clock(w)  # (the shell SIGKILLs its tree now)
+        self.s.act(Changed())
         self._restart_reaper_when_clear()
 
     def all_gone_or_unkillable(self) -> bool:
         """Every worker is gone, or unkillable (the close waits no longer for those, nor does
         a new reaper's start)."""
-        return all(w.state is WorkerState.UNKILLABLE for w in self.workers.values())
+        return all(w.state is WorkerState.UNKILLABLE for w in self.s.workers.values())
 
     def _restart_reaper_when_clear(self) -> None:
-        if self.reaper_up or self.restarting or self.closing or self.broken is not None:
+        if self.s.reaper_up or self.s.restarting or self.s.closing or self.s.broken is not None:
             return
         if not self.all_gone_or_unkillable():
             # The calls in flight settle truthfully first. (An unkillable tree may never end:
             # its calls wait for it, the pool does not.)
             return
-        self.restarting = True
-        self._act(RestartReaper())
+        self.s.restarting = True
+        self.s.act(RestartReaper())
 
-    def _reaper_ready(self) -> None:
-        self.restarting = False
-        self.reaper_up = True
-        self.reaper_failures = 0
-        if self.closing or self.broken is not None:
+    def reaper_ready(self) -> None:
+        self.s.restarting = False
+        self.s.reaper_up = True
+        self.s.reaper_failures = 0
+        if self.s.closing or self.s.broken is not None:
             return
         _log.info("a new reaper serves the pool")
-        for p in [*self.pending.values(), *self.providers.values()]:
-            self._top_up(p)
+        for p in [*self.s.pending.values(), *self.s.providers.values()]:
+            self.fleet.top_up(p)
 
-    def _reaper_failed(self, error: str) -> None:
-        self.restarting = False
-        self.reaper_up = False
-        self.reaper_failures += 1
+    def reaper_failed(self, error: str) -> None:
+        self.s.restarting = False
+        self.s.reaper_up = False
+        self.s.reaper_failures += 1
         if (
-            not self.closing
-            and self.broken is None
-            and self.reaper_failures < REAPER_START_ATTEMPTS
+            not self.s.closing
+            and self.s.broken is None
+            and self.s.reaper_failures < REAPER_START_ATTEMPTS
         ):
             _log.warning(
                 "a new reaper did not start (%s); starting another (attempt %d of %d)",
                 error,
-                self.reaper_failures + 1,
+                self.s.reaper_failures + 1,
                 REAPER_START_ATTEMPTS,
             )
             self._restart_reaper_when_clear()
             return
-        if self.broken is None:
-            self.broken = WorkerStartError(
+        if self.s.broken is None:
+            self.s.broken = WorkerStartError(
                 f"the pool's reaper process went away and a new one did not start: {error}"
             )
-            self._fail_queues()
-        self._act(Changed())
+            self.settlement.fail_queues()
+        self.s.act(Changed())

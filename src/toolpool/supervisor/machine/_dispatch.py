@@ -6,18 +6,27 @@ from __future__ import annotations
 
 from typing import Final
 
-from ..core import CancelCause
-from ..protocol import Call as CallMessage
-from ..protocol import Recall, Resume, encode
-from ._records import CallRecord, CallState, ProviderRecord, Send, WorkerRecord
-from ._results import Rung, WorkerState
+from ...core import CancelCause
+from ...protocol import CallMessage, Recall, Resume, Shutdown, encode
+from .._results import Rung, WorkerState
+from ._actions import Send
+from ._records import CallRecord, CallState, ProviderRecord, ProviderState, WorkerRecord
 from ._settlement import Settlement
+from ._state import State
 
 __all__ = ("QUEUE_BEHIND_FOR", "Dispatch")
 
 _new_send = tuple.__new__  # a Send without its Python-level __new__ (the hot path)
 _DISPOSED: Final = CancelCause("disposed")
 _PARENT: Final = CancelCause("parent")
+
+# States bound to names once: a member of an enum read through its class
+# (``WorkerState.READY``) is a slow attribute lookup on Python 3.11, and dispatch reads
+# them for every call.
+_QUEUED, _SENT = CallState.QUEUED, CallState.SENT
+_ACTIVE = ProviderState.ACTIVE
+_READY, _BUSY, _CLEANING = WorkerState.READY, WorkerState.BUSY, WorkerState.CLEANING
+_RETIRING, _UNKILLABLE = WorkerState.RETIRING, WorkerState.UNKILLABLE
 
 #: A call is sent to wait behind another in a busy worker only while the call first in line
 #: there has been so for less than this (seconds); calls waiting behind one that has taken
@@ -27,36 +36,44 @@ _PARENT: Final = CancelCause("parent")
 QUEUE_BEHIND_FOR: Final = 0.005
 
 
-class Dispatch(Settlement):
-    """Queueing and dispatch."""
+class Dispatch:
+    """Queueing and dispatch: which worker runs which call, and when a worker serves on."""
 
-    def _dispatch(self) -> None:
+    def __init__(self, state: State, settlement: Settlement) -> None:
+        self.s = state
+        self.settlement = settlement
+
+    def schedule(self) -> None:
         """Dispatch once the events read so far are handled (``flush``): the calls their
         results freed room for then go in one message per worker, not one each."""
-        self._dispatch_due = True
+        self.s.dispatch_due = True
 
-    def _dispatch_once(self) -> None:
-        if self.closing:
+    def run(self) -> None:
+        """One dispatch pass, over every active provider's queue."""
+        s = self.s
+        if s.closing:
             return  # what is still queued settles as aborted_before_dispatch (disposed)
-        for p in self.providers.values():
-            if p.queue and p.state == "active":
+        for p in s.providers.values():
+            if p.state is not _ACTIVE:
+                continue
+            if p.queue:
                 self._dispatch_provider(p)
-            elif p.spec.prefetch and p.state == "active":
-                self._steal(p, self.now)
+            elif p.spec.prefetch:
+                self._steal(p, s.now)
 
     def _dispatch_provider(self, p: ProviderRecord) -> None:
         queue = p.queue
         batches: dict[WorkerRecord, list[CallRecord]] = {}
-        now = self.now
+        now = self.s.now
         while queue:
             call = queue[0]
-            if call._state is not CallState.QUEUED:  # settled while queued
+            if call._state is not _QUEUED:  # settled while queued
                 queue.popleft()
                 p.settled_in_queue = max(0, p.settled_in_queue - 1)
                 continue
             group = call._group
             if group is not None and group.cancelled:  # C5.2: never dispatched after its cancel
-                self._abort_queued(call, group.signal.reason or _PARENT)  # (drops it)
+                self.settlement.abort_queued(call, group.signal.reason or _PARENT)  # (drops it)
                 continue
             w = self._pick(p, now)
             if w is None:
@@ -68,15 +85,15 @@ class Dispatch(Settlement):
                 if w in p.ready:
                     p.ready.remove(w)
                 w.head_since = now
-                w.state = WorkerState.BUSY
-                self.probe.reset_peak(w.wid)  # the call's peak starts now
+                w.advance(_BUSY)
+                self.s.probe.reset_peak(w.wid)  # the call's peak starts now
             w.calls.append(call)
             call._worker = w
-            call._state = CallState.SENT
+            call._advance(_SENT)
             batches.setdefault(w, []).append(call)
         if p.settled_in_queue:
-            self._compact_queue(p)  # (what went out may leave it mostly settled calls)
-        out = self._out
+            self.settlement.compact_queue(p)  # (what went out may leave it mostly settled calls)
+        out = self.s.out
         for w, calls in batches.items():
             # One multipart message per worker: one wake-up of zmq's I/O thread for all of
             # them (each part is one 'call' frame).
@@ -94,9 +111,9 @@ class Dispatch(Settlement):
         ready = p.ready
         spec = p.spec
         spares = spec.warm_spares
-        while ready and not (spares and self._serving(p) >= spec.size):
+        while ready and not (spares and self.serving(p) >= spec.size):
             w = ready[-1]
-            if w.state is WorkerState.READY and not w.gone and not w.calls:
+            if w.state is _READY and not w.gone and not w.calls:
                 return w
             ready.pop()
         prefetch = spec.prefetch
@@ -105,12 +122,12 @@ class Dispatch(Settlement):
         best: WorkerRecord | None = None
         limit = prefetch + 1
         threaded = p.threaded
-        for w in self.workers.values():
+        for w in self.s.workers.values():
             n = len(w.calls)
             if (
                 0 < n < limit
                 and w.provider is p
-                and w.state is WorkerState.BUSY
+                and w.state is _BUSY
                 and not w.gone
                 and not w.draining
                 and (best is None or n < len(best.calls))
@@ -134,28 +151,28 @@ class Dispatch(Settlement):
         front of p's queue); and while nothing is queued here but a worker is idle, as many
         as there are idle workers, to run on them."""
         idle = len(p.ready)
-        if p.queue or (p.spec.warm_spares and self._serving(p) >= p.spec.size):
+        if p.queue or (p.spec.warm_spares and self.serving(p) >= p.spec.size):
             idle = 0
-        for w in list(self.workers.values()):
-            if len(w.calls) < 2 or w.state is not WorkerState.BUSY or w.provider is not p:
+        for w in list(self.s.workers.values()):
+            if len(w.calls) < 2 or w.state is not _BUSY or w.provider is not p:
                 continue
             stuck = now - w.head_since >= QUEUE_BEHIND_FOR
             if not stuck and idle <= 0:
                 continue
             for call in list(w.calls)[:0:-1]:  # newest first, never the one it runs
                 if stuck:
-                    self._recall(w, call)
+                    self.recall(w, call)
                 elif idle <= 0:
                     break
-                elif self._recall(w, call):
+                elif self.recall(w, call):
                     idle -= 1
 
-    def _enqueue(self, call: CallRecord, *, front: bool = False) -> None:
+    def enqueue(self, call: CallRecord, *, front: bool = False) -> None:
         """Queue call for the provider its tool resolves to now; a tool no provider has any
         more (its provider was removed) settles it, never started (cause ``disposed``)."""
-        p = self.owner.get(call.tool)
+        p = self.s.owner.get(call.tool)
         if p is None:
-            self._abort_queued(call, _DISPOSED)
+            self.settlement.abort_queued(call, _DISPOSED)
             return
         if front:
             p.queue.appendleft(call)
@@ -164,42 +181,42 @@ class Dispatch(Settlement):
         call._queued = True
         call._provider = p
         if p.broken is not None:  # it fails like the rest of its queue did
-            self._fail_queue(p)
-        self._dispatch()
+            self.settlement.fail_queue(p)
+        self.schedule()
 
-    def _requeue(self, call: CallRecord) -> None:
+    def requeue(self, call: CallRecord) -> None:
         """A call its worker never took up goes back to the front of the queue."""
         call._worker = None
-        call._state = CallState.QUEUED
+        call._advance(_QUEUED)
         call._recalling = False
         call._rung = Rung.NONE
         for step in ("dispatched", "sigterm", "sigkill"):
             call._times.pop(step, None)
-        if self.closing:  # nothing is dispatched any more
-            self._abort_queued(call, _DISPOSED)
+        if self.s.closing:  # nothing is dispatched any more
+            self.settlement.abort_queued(call, _DISPOSED)
             return
-        self._enqueue(call, front=True)
+        self.enqueue(call, front=True)
 
-    def _serving(self, p: ProviderRecord) -> int:
+    def serving(self, p: ProviderRecord) -> int:
         # (an unkillable worker's call holds no slot: its replacement serves in its place)
         return sum(
             1
-            for w in self.workers.values()
-            if w.calls and w.provider is p and w.state is not WorkerState.UNKILLABLE
+            for w in self.s.workers.values()
+            if w.calls and w.provider is p and w.state is not _UNKILLABLE
         )
 
-    def _behind(self, w: WorkerRecord, call: CallRecord) -> list[CallRecord]:
+    def behind(self, w: WorkerRecord, call: CallRecord) -> list[CallRecord]:
         """The calls sent to w after call, still in w."""
         calls = list(w.calls)
         return calls[calls.index(call) + 1 :] if call in calls else []
 
-    def _recall_behind(self, w: WorkerRecord, call: CallRecord) -> None:
+    def recall_behind(self, w: WorkerRecord, call: CallRecord) -> None:
         """Ask w to give back the calls waiting behind call (a cancelled one is withdrawn on
         its cancel)."""
-        for queued in self._behind(w, call):
-            self._recall(w, queued)
+        for queued in self.behind(w, call):
+            self.recall(w, queued)
 
-    def _recall(self, w: WorkerRecord, call: CallRecord) -> bool:
+    def recall(self, w: WorkerRecord, call: CallRecord) -> bool:
         """Ask w to give call back, unless that is asked already or it is cancelled (then its
         cancel withdraws it), or it is no longer w's. True if asked now."""
         if call._recalling or call._cause is not None:
@@ -207,45 +224,66 @@ class Dispatch(Settlement):
         if call._worker is not w or call._result is not None:
             return False
         call._recalling = True
-        self._send(w, encode(Recall(call.id)))
+        self.send(w, encode(Recall(call.id)))
         return True
 
-    def _retire(self, w: WorkerRecord) -> None:
-        raise NotImplementedError  # (_escalation.py)
+    def retire(self, w: WorkerRecord) -> None:
+        """Tell w to exit once idle (it withdraws the calls it has not taken up)."""
+        if w in w.provider.ready:
+            w.provider.ready.remove(w)
+        w.advance(_RETIRING)
+        w.retired = True
+        w.retire_reason = self._retire_reason(w)
+        for call in w.calls:
+            call._recalling = True
+        self.send(w, encode(Shutdown()))
 
-    def _top_up(self, p: ProviderRecord) -> list[WorkerRecord]:
-        raise NotImplementedError  # (_lifecycle.py)
+    def _retire_reason(self, w: WorkerRecord) -> str:
+        """Why w is told to exit, in words: what the pool or its provider is doing."""
+        p = w.provider
+        if self.s.closing:
+            return "the pool is closing"
+        if p.state is ProviderState.DRAINING:
+            return f"provider {p.name!r} was {p.reason or 'removed'}"
+        if p.state is ProviderState.FAILED:
+            why = f": {type(p.error).__name__}: {p.error}" if p.error is not None else ""
+            return f"the start of provider {p.name!r} was rolled back{why}"
+        if w.draining:
+            return f"provider {p.name!r} was shrunk"
+        if _used_up(w):
+            calls = "1 call" if w.served == 1 else f"{w.served} calls"
+            return f"it served {calls} (max_calls_per_worker={p.spec.max_calls})"
+        return "told to exit"
 
-    def _retire_used_up(self, w: WorkerRecord) -> None:
-        """w served its ``max_calls``: it exits (``retired``, and why: ``_retire_reason``),
-        and a new worker starts in its place at once (as ``maxtasksperchild`` recycles a
-        process)."""
-        self._retire(w)
-        self._top_up(w.provider)
-
-    def _send(self, w: WorkerRecord, frame: bytes) -> None:
+    def send(self, w: WorkerRecord, frame: bytes) -> None:
         """Send a control frame to w (if it is gone, nobody reads it: nothing is lost)."""
         if not w.gone:
-            self._act(Send(w.wid, [frame]))
+            self.s.act(Send(w.wid, [frame]))
 
-    def _resume(self, w: WorkerRecord) -> None:
+    def resume(self, w: WorkerRecord) -> bool:
         """w settled or gave back a call, or its clean-up ended: it serves on (idle if it
-        holds no call); then dispatch what is queued."""
+        holds no call); then dispatch what is queued. True if w retired instead, having
+        served its ``max_calls``: its provider is a worker short (the caller tops it up)."""
+        used_up = False
         if not w.gone:
-            if w.holding and not self.reaper_up:  # nobody can clean up: do not wait for it
+            if w.holding and not self.s.reaper_up:  # nobody can clean up: do not wait for it
                 w.holding = False
-                self._send(w, encode(Resume()))
-            if w.state is WorkerState.CLEANING and w.pending is None and not w.holding:
-                w.state = WorkerState.BUSY
-            if w.state is WorkerState.BUSY and not w.calls:
-                if w.draining or w.provider.state != "active":
-                    self._retire(w)  # (a shrink, or its provider was removed or reloaded)
+                self.send(w, encode(Resume()))
+            if w.state is _CLEANING and w.pending is None and not w.holding:
+                w.advance(_BUSY)
+            if w.state is _BUSY and not w.calls:
+                if w.draining or w.provider.state is not _ACTIVE:
+                    self.retire(w)  # (a shrink, or its provider was removed or reloaded)
                 elif _used_up(w):
-                    self._retire_used_up(w)
+                    # It served its max_calls: it exits, and (the caller tops its provider
+                    # up) a new worker starts in its place at once, as maxtasksperchild does.
+                    self.retire(w)
+                    used_up = True
                 else:
-                    w.state = WorkerState.READY
+                    w.advance(_READY)
                     w.provider.ready.append(w)
-        self._dispatch_due = True  # (_dispatch, inline: once per call)
+        self.s.dispatch_due = True  # (_dispatch, inline: once per call)
+        return used_up
 
 
 def _used_up(w: WorkerRecord) -> bool:

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import logging
 
-from ..core import CancelCause
-from ..protocol import Cancel, Shutdown, encode
+from ...core import CancelCause
+from ...protocol import Cancel, encode
+from .._results import Rung, WorkerState
+from ._actions import Kill, Terminate
 from ._dispatch import Dispatch
-from ._records import CallRecord, CallState, Kill, Terminate, WorkerRecord
-from ._results import Rung, WorkerState
-from ._state import Proc, Wait
+from ._records import CallRecord, CallState, WorkerRecord
+from ._settlement import Settlement
+from ._state import Proc, State, Wait
 
-__all__ = ("Escalation",)
+__all__ = ("Ladder",)
 
 _log = logging.getLogger("toolpool.supervisor")
 
@@ -23,15 +25,20 @@ _LOOK_FIRST_IN_LINE = 0.05
 _LOOK_CLEARED = 0.005
 
 
-class Escalation(Dispatch):
-    """Cancellation, the ladder, quarantine."""
+class Ladder:
+    """Cancellation, the escalation ladder, quarantine."""
 
-    def _cancel_call(self, call: CallRecord, cause: CancelCause, *, force: bool) -> None:
+    def __init__(self, state: State, settlement: Settlement, dispatch: Dispatch) -> None:
+        self.s = state
+        self.settlement = settlement
+        self.dispatch = dispatch
+
+    def cancel(self, call: CallRecord, cause: CancelCause, *, force: bool) -> None:
         if call._result is not None:
             return
-        self._record_cause(call, cause)
+        self.settlement.record_cause(call, cause)
         if call._state is CallState.QUEUED:
-            self._settle_unstarted(call, call._cause or cause)
+            self.settlement.settle_unstarted(call, call._cause or cause)
             return
         w = call._worker
         assert w is not None
@@ -42,27 +49,27 @@ class Escalation(Dispatch):
             if progress == 0 or (progress < 0 and call is w.call):
                 # It runs (or is next and nothing runs before it): kill, once no call
                 # waiting behind it can be taken up in the moment before the kill lands.
-                if not self._behind(w, call):
+                if not self.dispatch.behind(w, call):
                     self._kill(w, call)
                 else:
-                    self._spawn_proc(self._kill_when_clear(w, call))
+                    self.s.spawn_proc(self._kill_when_clear(w, call))
                 return
             # Waiting behind another: withdraw it like any other; kill only if it becomes
             # the call its worker runs. Or w is done with it (it took up a call sent after
             # it): its result is on its way, which the ladder waits for; a kill now would
             # take the next call.
         if call._rung is Rung.NONE:
-            self._raise_rung(call, Rung.CANCEL)
+            self.settlement.raise_rung(call, Rung.CANCEL)
             w.acks_expected.add(call.id)
-            self._send(w, encode(Cancel(call.id, call._cause.kind)))
+            self.dispatch.send(w, encode(Cancel(call.id, call._cause.kind)))
             if progress == 0 or call is w.call:
                 # Its worker may be killed for it: take back what waits behind it first.
-                self._recall_behind(w, call)
+                self.dispatch.recall_behind(w, call)
         if not call._laddering:
             call._laddering = True
-            self._spawn_proc(self._ladder(w, call))
+            self.s.spawn_proc(self._climb(w, call))
 
-    def _ladder(self, w: WorkerRecord, call: CallRecord) -> Proc:
+    def _climb(self, w: WorkerRecord, call: CallRecord) -> Proc:
         """The escalation ladder of one call in w: cancel message, SIGTERM, SIGKILL (C4.2).
 
         A call waiting behind another in w's queue is withdrawn at once, unless w's loop is
@@ -72,23 +79,23 @@ class Escalation(Dispatch):
         nor taken it up within cancel_grace: a worker a tool patched could otherwise hold it
         (and the pool's close) for ever. Once it is w's first call, nothing else runs there.
         """
-        config = self.config
-        deadline = self.now + config.cancel_grace
+        config = self.s.config
+        deadline = self.s.now + config.graces.cancel
         unanswered = False
         while call._result is None and not w.gone and not self._at_or_past(w, call):
-            if self.now >= deadline and all(c._cause is not None for c in w.calls):
+            if self.s.now >= deadline and all(c._cause is not None for c in w.calls):
                 unanswered = True
                 break
-            look = self.now + _LOOK_FIRST_IN_LINE
+            look = self.s.now + _LOOK_FIRST_IN_LINE
             yield Wait(
-                look if self.now >= deadline else min(deadline, look),
+                look if self.s.now >= deadline else min(deadline, look),
                 lambda: call._result is not None or w.gone or call is w.call,
             )
         if call._forced and call._result is None and not w.gone:
             yield from self._kill_when_clear(w, call)
             return
         if not unanswered:
-            yield Wait(self.now + config.cancel_grace, lambda: call._result is not None)
+            yield Wait(self.s.now + config.graces.cancel, lambda: call._result is not None)
         if call._result is None and call._rung is not Rung.SIGKILL:
             yield from self._clear_behind(w, call)
         yield from self._await_sent_result(w, call)
@@ -98,7 +105,7 @@ class Escalation(Dispatch):
             return
         if call._result is None and call._rung is not Rung.SIGKILL:
             self._terminate(w, call)
-        yield Wait(self.now + config.term_grace, lambda: w.gone)
+        yield Wait(self.s.now + config.graces.term, lambda: w.gone)
         if not w.gone:
             self._kill(w, call)
 
@@ -118,9 +125,9 @@ class Escalation(Dispatch):
         the moment before the signal lands."""
         if not self._exposed(w, call):
             return
-        self._recall_behind(w, call)
+        self.dispatch.recall_behind(w, call)
         yield Wait(
-            self.now + self.config.term_grace,
+            self.s.now + self.s.config.graces.term,
             lambda: call._result is not None or w.gone or not self._exposed(w, call),
             _LOOK_CLEARED,
         )
@@ -130,15 +137,15 @@ class Escalation(Dispatch):
         before escalating against w, which may run an uncancelled call since. Bounded: the
         ledger is the worker's to scribble on."""
         if call._result is None and not w.gone and self._progress(w, call) == 1:
-            yield Wait(self.now + self.config.term_grace, lambda: call._result is not None)
+            yield Wait(self.s.now + self.s.config.graces.term, lambda: call._result is not None)
             if call._result is None and not w.gone and self._progress(w, call) == 1:
                 # Its word, and no result to show for it: a worker that lies in its ledger,
                 # or withholds results. It is out of service for breaking the protocol (C7),
                 # not killed for this call: the call it runs since is lost to its breach.
-                self._quarantine(
+                self.quarantine(
                     w,
                     f"protocol violation: its ledger says call {call.id} is done, but no "
-                    f"result came within term_grace ({self.config.term_grace:g} s)",
+                    f"result came within term_grace ({self.s.config.graces.term:g} s)",
                 )
 
     def _at_or_past(self, w: WorkerRecord, call: CallRecord) -> bool:
@@ -151,7 +158,7 @@ class Escalation(Dispatch):
         """Where w is with call: -1, not taken up yet; 0, taken up (it may run it still);
         1, done with it: its ledger names a call sent after it, which w takes up only once
         it sent call's result (kept in its ledger, or acknowledged)."""
-        ledger = self.probe.marks(w.wid)
+        ledger = self.s.probe.marks(w.wid)
         if ledger is None:
             return 0
         seen = False
@@ -168,7 +175,7 @@ class Escalation(Dispatch):
         uncancelled ones count: there is no body of call to stop yet, and waiting for
         cancelled ones (which a worker that does not answer keeps) would only delay the
         escalation against call."""
-        behind = self._behind(w, call)
+        behind = self.dispatch.behind(w, call)
         if not behind:
             return behind
         progress = self._progress(w, call)  # (one look at the ledger)
@@ -182,8 +189,8 @@ class Escalation(Dispatch):
         """SIGTERM w's tree, escalating ``call``."""
         w.escalated = True
         if w.state is not WorkerState.UNKILLABLE:
-            w.state = WorkerState.QUARANTINED
-        self._signalled(w, call, Rung.SIGTERM)
+            w.advance(WorkerState.QUARANTINED)
+        self.signalled(w, call, Rung.SIGTERM)
         why, text = self._why_unsettled(w, call)
         _log.info(
             "worker %s (pid %s): SIGTERM to its tree for call %s (%s): %s",
@@ -201,7 +208,7 @@ class Escalation(Dispatch):
             },
         )
         if not w.gone:
-            self._act(Terminate(w.wid))
+            self.s.act(Terminate(w.wid))
 
     def _why_unsettled(self, w: WorkerRecord, call: CallRecord) -> tuple[str, str]:
         """Why a cancelled call did not settle cooperatively (the two levels of liveness):
@@ -210,7 +217,7 @@ class Escalation(Dispatch):
         no cancel acknowledgement (without heartbeats, a worker too busy or hung to read it
         looks the same)."""
         if w.hung:
-            return "hung", f"its worker is hung (no heartbeat for {self.now - w.beat_at:.1f} s)"
+            return "hung", f"its worker is hung (no heartbeat for {self.s.now - w.beat_at:.1f} s)"
         if "cancel_delivered" in call._times:
             return "ignores_signal", "the tool ignores its signal (its worker answers)"
         return "unacknowledged", "its worker did not acknowledge the cancel"
@@ -226,50 +233,20 @@ class Escalation(Dispatch):
             call.tool,
             extra={"worker_pid": w.pid, "call_id": call.id, "tool": call.tool, "rung": "sigkill"},
         )
-        self._quarantine(w, None)
-        self._signalled(w, call, Rung.SIGKILL)
+        self.quarantine(w, None)
+        self.signalled(w, call, Rung.SIGKILL)
 
-    def _signalled(self, w: WorkerRecord, call: CallRecord | None, rung: Rung) -> None:
+    def signalled(self, w: WorkerRecord, call: CallRecord | None, rung: Rung) -> None:
         """Record a rung reached against w's tree: on the escalated call now; on whichever
         call w had taken up when it died, once its ledger tells (_settle_calls_of_dead)."""
         step = "sigterm" if rung is Rung.SIGTERM else "sigkill"
-        w.signals.setdefault(step, self.now)
+        w.signals.setdefault(step, self.s.now)
         if call is not None:
-            self._raise_rung(call, rung)
-            call._times.setdefault(step, self.now)
+            self.settlement.raise_rung(call, rung)
+            call._times.setdefault(step, self.s.now)
 
-    def _retire(self, w: WorkerRecord) -> None:
-        """Tell w to exit once idle (it withdraws the calls it has not taken up)."""
-        if w in w.provider.ready:
-            w.provider.ready.remove(w)
-        w.state = WorkerState.RETIRING
-        w.retired = True
-        w.retire_reason = self._retire_reason(w)
-        for call in w.calls:
-            call._recalling = True
-        self._send(w, encode(Shutdown()))
-
-    def _retire_reason(self, w: WorkerRecord) -> str:
-        """Why w is told to exit, in words: what the pool or its provider is doing."""
-        p = w.provider
-        if self.closing:
-            return "the pool is closing"
-        if p.state == "draining":
-            return f"provider {p.name!r} was {p.reason or 'removed'}"
-        if p.state == "failed":
-            why = f": {type(p.error).__name__}: {p.error}" if p.error is not None else ""
-            return f"the start of provider {p.name!r} was rolled back{why}"
-        if w.draining:
-            return f"provider {p.name!r} was shrunk"
-        if p.spec.max_calls is not None and w.served >= p.spec.max_calls:
-            calls = "1 call" if w.served == 1 else f"{w.served} calls"
-            return f"it served {calls} (max_calls_per_worker={p.spec.max_calls})"
-        return "told to exit"
-
-    def _quarantine(self, w: WorkerRecord, violation: str | None) -> None:
+    def quarantine(self, w: WorkerRecord, violation: str | None) -> None:
         """Take w out of service for good and kill its tree (C4.2, C7)."""
-        if violation is not None:
-            w.violated = True
         if violation is not None and w.violation is None:
             w.violation = violation
             _log.warning(
@@ -281,26 +258,28 @@ class Escalation(Dispatch):
             )
         if w in w.provider.ready:
             w.provider.ready.remove(w)
+        if w.gone:
+            return
         if w.state is not WorkerState.UNKILLABLE:
-            w.state = WorkerState.QUARANTINED
-        if not w.gone and not w.orphaned:
-            self._kill_tree(w)
+            w.advance(WorkerState.QUARANTINED)
+        if not w.orphaned:
+            self.kill_tree(w)
             if violation is not None:
-                self._signalled(w, None, Rung.SIGKILL)
+                self.signalled(w, None, Rung.SIGKILL)
 
-    def _kill_tree(self, w: WorkerRecord) -> None:
-        """Ask the reaper to SIGKILL w's tree, once (``_start_kill_clock``): a kill once asked
+    def kill_tree(self, w: WorkerRecord) -> None:
+        """Ask the reaper to SIGKILL w's tree, once (``start_kill_clock``): a kill once asked
         ends the whole tree (the reaper kills what is left of it when it reaps w), so a
         second one (w's connection dropping as it dies, the close's last resort) would only
         make the reaper look at a dying tree again."""
         if w.killed_at is None:
-            self._act(Kill(w.wid))
-        self._start_kill_clock(w)
+            self.s.act(Kill(w.wid))
+        self.start_kill_clock(w)
 
-    def _start_kill_clock(self, w: WorkerRecord) -> None:
+    def start_kill_clock(self, w: WorkerRecord) -> None:
         """w's tree is being SIGKILLed (by the reaper, or by the shell when the reaper is
         dead): the first time, start the clock after which a tree still there is unkillable
         (``_kill_overdue``)."""
         if w.killed_at is None:
-            w.killed_at = self.now
-            self._arm(self.now + self.config.unkillable_after, "unkillable", w.wid)
+            w.killed_at = self.s.now
+            self.s.arm(self.s.now + self.s.config.graces.unkillable_after, "unkillable", w.wid)
