@@ -643,3 +643,62 @@ def test_drain_over_the_control_socket_with_a_timeout_of_its_own(
     assert s.wait(30) == 0
     assert s.alive_descendants() == []
     assert s.wait_event("draining")["drain_grace_s"] == 0
+
+
+# ---------------------------------------------------------------------------- remote cancel
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_remote_cancel_reports_how_the_call_ended(
+    tmp_path: Path, control: str, services: list[ServeProcess]
+) -> None:
+    """``client.cancel(call)`` travels as ``notifications/cancelled``; the face cancels with
+    cause ``user`` and answers once the call settled: a cooperative tool is ``aborted``, one
+    that ignores its signal (and a child that ignores SIGTERM) is ``killed``, reported only
+    once its whole tree is gone."""
+    ledger = tmp_path / "ledger"
+    s = start(
+        services,
+        control,
+        "serve_tools:registry",
+        "--workers",
+        "2",
+        "--cancel-grace",
+        "0.5",
+        "--term-grace",
+        "0.5",
+        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
+    )
+    s.wait_serving()
+    gone_at_answer: list[bool] = []
+
+    async def main() -> tuple[Any, Any]:
+        async with connect(s.url("/mcp")) as client:
+            co = client.submit("cooperative", {"id": "co"})
+            st = client.submit("stubborn_tree", {"id": "st"})
+            await anyio.to_thread.run_sync(_wait_started, ledger, {"co", "st"})
+            aborted = await client.cancel(co)
+            killed = await client.cancel(st)
+            _, _, worker, child = next(line for line in _ledger(ledger) if line[0] == "tree")
+            gone_at_answer.extend([_gone(int(worker)), _gone(int(child))])
+            return aborted, killed
+
+    aborted, killed = anyio.run(main)
+    assert aborted.outcome is Outcome.ABORTED, aborted
+    assert aborted.cause == {"kind": "user"}
+    assert aborted.body_started is True
+    assert killed.outcome is Outcome.KILLED, killed
+    assert killed.cause == {"kind": "user"}
+    assert killed.body_started is True
+    assert killed.rung.value in ("sigterm", "sigkill")  # (the ladder, past the cancel)
+    assert gone_at_answer == [True, True]  # the worker and its child, before the answer
+    settled = {line["call_id"]: line for line in s.lines if "outcome" in line}
+    assert sorted(line["outcome"] for line in settled.values()) == ["aborted", "killed"]
+    assert all(line["delivered"] for line in settled.values())
+    stop_and_check(s)
