@@ -3,7 +3,9 @@ with real processes (docs/service.md)."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -25,7 +27,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_support import ServeProcess, serve_env
 from toolpool import Outcome, connect
 from toolpool.remote import ServerUnavailable
-from toolpool.serve import ProviderConfig, ServiceOptions, load_config, parse_tools
+from toolpool.serve import (
+    ProviderConfig,
+    ServiceOptions,
+    configure_logging,
+    load_config,
+    parse_tools,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -702,3 +710,32 @@ def test_remote_cancel_reports_how_the_call_ended(
     assert sorted(line["outcome"] for line in settled.values()) == ["aborted", "killed"]
     assert all(line["delivered"] for line in settled.values())
     stop_and_check(s)
+
+
+@pytest.mark.parametrize("level", [logging.INFO, logging.DEBUG])
+def test_a_call_answered_ok_is_logged_only_at_debug(level: int) -> None:
+    """The face's line of a call that settled ``ok`` and was answered is not a lifecycle
+    fact: at info it is not written; other outcomes and undelivered results are."""
+    stream = io.StringIO()
+    root = logging.getLogger("toolpool")
+    saved = root.level, root.propagate
+    handler = configure_logging("json", level=level, stream=stream)
+    face = logging.getLogger("toolpool.mcp")
+    try:
+        for outcome, delivered in [("ok", True), ("aborted", True), ("ok", False)]:
+            face.log(
+                logging.INFO if delivered else logging.WARNING,
+                "mcp call settled %s",
+                outcome,
+                extra={"outcome": outcome, "delivered": delivered},
+            )
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
+    written = [
+        (line["outcome"], line["delivered"])
+        for line in map(json.loads, stream.getvalue().splitlines())
+    ]
+    expected = [("aborted", True), ("ok", False)]
+    assert written == ([("ok", True), *expected] if level == logging.DEBUG else expected)

@@ -238,6 +238,9 @@ class McpServer:
             instructions="Tools run by toolpool in isolated worker processes. Each tool's "
             "description says where it runs; a cancelled call is stopped, and its process "
             "tree is gone before the cancellation is confirmed.",
+            # The SDK checks a 2026-07-28 call's Mcp-Param headers against the tool's schema:
+            # given here, it does not run a whole tools/list per call to find it.
+            get_tool_input_schema=self._input_schema,
         )
         self._server.add_request_handler(
             "tools/list", types.PaginatedRequestParams, self._list_tools
@@ -518,6 +521,12 @@ class McpServer:
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
         return self._listing
+
+    def _input_schema(self, tool: str) -> Mapping[str, Any] | None:
+        """The tool's ``inputSchema`` as ``tools/list`` shows it (None: not listed)."""
+        entry = self._tools.get(tool)
+        schema = entry.get("inputSchema") if entry is not None else None
+        return schema if isinstance(schema, Mapping) else None
 
     def _timeout_for(self, tool: str) -> float | None:
         """The deadline for a call: the provider's own, else the server's (None: the pool

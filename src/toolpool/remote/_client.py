@@ -84,8 +84,11 @@ class RemoteCall:
         self._result: Result | None = None
         self._error: BaseException | None = None
         self._cancel_reason: str | None = None
-        self._cancel_sent = anyio.Event()
+        self._reading: anyio.CancelScope | None = None
+        """While the request is in flight: the scope whose cancel closes its stream."""
         self._submitted = time.monotonic()
+        self._wire_id = f"{client._prefix}-{call_id}"
+        """Its JSON-RPC request id: unique to its client (a cancel names it)."""
 
     def done(self) -> bool:
         """Whether the call settled (or failed to be sent)."""
@@ -116,7 +119,8 @@ class RemoteCall:
         """Send the MCP cancel for this call (once; later calls do nothing)."""
         if self._cancel_reason is None and not self.done():
             self._cancel_reason = reason
-            self._cancel_sent.set()
+            if self._reading is not None:
+                self.client._start_cancel(self)
 
     def __repr__(self) -> str:
         state = "settled" if self.done() else "running"
@@ -305,8 +309,7 @@ class Client:
             "arguments": call.args,
             "_meta": {"progressToken": f"toolpool-{call.id}"},
         }
-        wire_id = f"{self._prefix}-{call.id}"
-        body = self._body(wire_id, "tools/call", params)
+        body = self._body(call._wire_id, "tools/call", params)
         request = self._http.build_request(
             "POST", self.url, content=body, headers=self._headers("tools/call", call.tool)
         )
@@ -319,30 +322,30 @@ class Client:
         status = 0
         text = ""
         failure: BaseException | None = None
-        async with anyio.create_task_group() as tg:
-            # A cancel may come before the answer starts (the face commits its stream
-            # only with the first progress, or after 15 s): watched from the start.
-            reading = anyio.CancelScope()
-            tg.start_soon(self._cancel_when_asked, call, wire_id, reading)
-            try:
-                with reading:
-                    response = await self._http.send(request, stream=True)
-                    try:
-                        status = response.status_code
-                        if status >= 400 and status not in _LOST_STATUSES:
-                            text = (await response.aread()).decode(errors="replace")[:500]
-                        elif status < 400:
-                            message = await _answer(response, wire_id, on_message)
-                    finally:
-                        with anyio.CancelScope(shield=True):
-                            await response.aclose()
-            except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
-                failure = exc
-            except httpx2.TransportError as exc:
-                text = str(exc)
-                status = -1
-            finally:
-                tg.cancel_scope.cancel()
+        # A cancel may come before the answer starts (the face commits its stream only with
+        # the first progress, or after 15 s): from here on it is sent at once.
+        call._reading = reading = anyio.CancelScope()
+        if call._cancel_reason is not None:
+            self._start_cancel(call)
+        try:
+            with reading:
+                response = await self._http.send(request, stream=True)
+                try:
+                    status = response.status_code
+                    if status >= 400 and status not in _LOST_STATUSES:
+                        text = (await response.aread()).decode(errors="replace")[:500]
+                    elif status < 400:
+                        message = await _answer(response, call._wire_id, on_message)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await response.aclose()
+        except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
+            failure = exc
+        except httpx2.TransportError as exc:
+            text = str(exc)
+            status = -1
+        finally:
+            call._reading = None
         if failure is not None:
             raise ServerUnavailable(f"{self.url}: {failure}") from failure
         if status == -1:
@@ -361,21 +364,22 @@ class Client:
             return self._lost(call, f"{self.url} closed the call's stream without an answer")
         return self._from_message(call, message)
 
-    async def _cancel_when_asked(
-        self, call: RemoteCall, wire_id: str, reading: anyio.CancelScope
-    ) -> None:
-        """Once asked: send ``notifications/cancelled`` for the call. A toolpool face that
-        honours it (header ``toolpool-cancel: accepted``) cancels the call with cause
-        ``user`` and answers its request once the call settled: the answer is awaited.
-        Otherwise (another server; another node behind a load balancer; a call not there
-        yet) the call's response stream is closed, the 2026-07-28 wire's cancel."""
+    def _start_cancel(self, call: RemoteCall) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(self._send_cancel, call, call._reading)
+
+    async def _send_cancel(self, call: RemoteCall, reading: anyio.CancelScope | None) -> None:
+        """Send ``notifications/cancelled`` for the call. A toolpool face that honours it
+        (header ``toolpool-cancel: accepted``) cancels the call with cause ``user`` and
+        answers its request once the call settled: that answer is awaited. Otherwise
+        (another server; another node behind a load balancer; a call not there yet) the
+        call's response stream is closed, the 2026-07-28 wire's cancel."""
         import httpx2
 
-        await call._cancel_sent.wait()
         body = self._body(
             None,
             "notifications/cancelled",
-            {"requestId": wire_id, "reason": call._cancel_reason},
+            {"requestId": call._wire_id, "reason": call._cancel_reason},
         )
         try:
             answer = await self._http.post(
@@ -386,7 +390,8 @@ class Client:
         else:
             if answer.status_code == 202 and answer.headers.get(_CANCEL_HEADER) == "accepted":
                 return
-        reading.cancel()
+        if reading is not None:
+            reading.cancel()
 
     def _from_message(self, call: RemoteCall, message: Mapping[str, Any]) -> Result:
         if "error" in message:
