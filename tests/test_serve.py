@@ -57,6 +57,19 @@ def start(services: list[ServeProcess], control: str, *args: str, **kw: object) 
     return s
 
 
+def start_tools(
+    services: list[ServeProcess], control: str, ledger: Path, *args: str
+) -> ServeProcess:
+    """A service of ``serve_tools:registry`` whose tools note their calls in ``ledger``."""
+    return start(
+        services,
+        control,
+        "serve_tools:registry",
+        *args,
+        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
+    )
+
+
 def toolpool(*args: str, control: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "toolpool", *args, "--control", control],
@@ -443,10 +456,10 @@ def test_sigterm_drains_running_calls_per_the_graces(
     tmp_path: Path, control: str, services: list[ServeProcess]
 ) -> None:
     ledger = tmp_path / "ledger"
-    s = start(
+    s = start_tools(
         services,
         control,
-        "serve_tools:registry",
+        ledger,
         "--workers",
         "3",
         "--drain-grace",
@@ -455,7 +468,6 @@ def test_sigterm_drains_running_calls_per_the_graces(
         "1",
         "--term-grace",
         "1",
-        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
     )
     s.wait_serving()
     refused: list[Any] = []
@@ -501,16 +513,7 @@ def test_a_second_sigterm_forces(
     tmp_path: Path, control: str, services: list[ServeProcess]
 ) -> None:
     ledger = tmp_path / "ledger"
-    s = start(
-        services,
-        control,
-        "serve_tools:registry",
-        "--workers",
-        "1",
-        "--drain-grace",
-        "60",
-        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
-    )
+    s = start_tools(services, control, ledger, "--workers", "1", "--drain-grace", "60")
     s.wait_serving()
 
     def during(calls: list[Any]) -> None:
@@ -534,14 +537,7 @@ def test_sighup_reload_under_load_loses_nothing_and_runs_nothing_twice(
     tmp_path: Path, control: str, services: list[ServeProcess]
 ) -> None:
     ledger = tmp_path / "ledger"
-    s = start(
-        services,
-        control,
-        "serve_tools:registry",
-        "--workers",
-        "2",
-        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
-    )
+    s = start_tools(services, control, ledger, "--workers", "2")
     s.wait_serving()
     ids = [f"c{i}" for i in range(150)]
 
@@ -616,10 +612,10 @@ def test_drain_over_the_control_socket_with_a_timeout_of_its_own(
     is 60 s), is cancelled at once and killed by the ladder; the command returns once the
     service stopped."""
     ledger = tmp_path / "ledger"
-    s = start(
+    s = start_tools(
         services,
         control,
-        "serve_tools:registry",
+        ledger,
         "--autoscale",
         "1:2",
         "--drain-grace",
@@ -628,7 +624,6 @@ def test_drain_over_the_control_socket_with_a_timeout_of_its_own(
         "1",
         "--term-grace",
         "1",
-        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
     )
     s.wait_serving()
     status = json.loads(toolpool("status", "--json", control=control).stdout)
@@ -671,17 +666,8 @@ def test_remote_cancel_reports_how_the_call_ended(
     that ignores its signal (and a child that ignores SIGTERM) is ``killed``, reported only
     once its whole tree is gone."""
     ledger = tmp_path / "ledger"
-    s = start(
-        services,
-        control,
-        "serve_tools:registry",
-        "--workers",
-        "2",
-        "--cancel-grace",
-        "0.5",
-        "--term-grace",
-        "0.5",
-        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
+    s = start_tools(
+        services, control, ledger, "--workers", "2", "--cancel-grace", "0.5", "--term-grace", "0.5"
     )
     s.wait_serving()
     gone_at_answer: list[bool] = []
