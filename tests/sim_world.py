@@ -155,7 +155,9 @@ class FakeWorker:
 class World:
     """The model of workers and reaper the core is run against, and the invariant checks."""
 
-    def __init__(self, seed: int, *, workers: int, spares: int, prefetch: int) -> None:
+    def __init__(
+        self, seed: int, *, workers: int, spares: int, prefetch: int, max_calls: int | None
+    ) -> None:
         self.rng = random.Random(seed)
         self.now = 1000.0
         self.probe = FakeProbe()
@@ -171,6 +173,7 @@ class World:
             drain_grace=0.5,
             unkillable_after=UNKILLABLE_AFTER,
             heartbeat=HEARTBEAT,
+            max_calls_per_worker=max_calls,
         )
         self.secrets = iter(range(1, 1 << 30))
         self.core = PoolCore(config, self.probe, lambda: b"s%032d" % next(self.secrets))
@@ -459,6 +462,7 @@ class World:
                 size=1 + size % 3,
                 warm_spares=0,
                 prefetch=core.config.prefetch,
+                max_calls=core.config.max_calls_per_worker,
             )
             core.add_provider(name, spec, self.now)
         elif op == 1 and known:
@@ -707,6 +711,19 @@ class World:
                     f"worker {wid}: the core says hung={core_w.hung}, but it was last heard "
                     f"{self.now - heard:.3f} s ago (hung after {HUNG_AFTER} s)"
                 )
+        # max_calls_per_worker: no worker is sent more calls than it has left to serve, and
+        # one that served them all takes no more.
+        for wid, core_w in core.workers.items():
+            limit = core_w.provider.spec.max_calls
+            if limit is None or core_w.gone:
+                continue
+            if core_w.served + len(core_w.calls) > limit:
+                raise Violation(
+                    f"worker {wid} served {core_w.served} calls and holds "
+                    f"{len(core_w.calls)}: more than max_calls={limit}"
+                )
+            if core_w.served >= limit and core_w in core_w.provider.ready:
+                raise Violation(f"worker {wid} served its {limit} calls, yet is ready")
         for call_id, progress in self.progress_at_settle.items():
             if self.calls[call_id - 1]._progress is not progress:
                 raise Violation(f"call {call_id}'s progress changed after it settled")
@@ -888,12 +905,13 @@ def make_schedule(seed: int, length: int) -> list[tuple[Any, ...]]:
     return steps
 
 
-def shape(seed: int) -> dict[str, int]:
+def shape(seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     return {
         "workers": rng.choice((1, 2, 3)),
         "spares": rng.choice((0, 0, 1)),
         "prefetch": rng.choice((0, 2, 16)),
+        "max_calls": rng.choice((None, None, 1, 3)),  # (a draw after the others: they stay)
     }
 
 

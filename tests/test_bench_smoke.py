@@ -74,3 +74,24 @@ def test_bench_smoke_run_writes_its_results(tmp_path: Path) -> None:
     assert "| toolpool |" in markdown
     assert "## Targets" in markdown
     assert "## map over an iterable (part 7)" in markdown
+
+
+@pytest.mark.timeout(120)
+def test_the_executor_bench_runs() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "executor.py"), "--smoke", "--workers", "1"],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = proc.stdout.strip().splitlines()
+    assert rows[0].startswith("| executor (1 workers) | submit, one by one |")
+    assert [row.split(" |")[0] for row in rows[2:]] == [
+        "| ProcessPoolExecutor",
+        "| toolpool.Executor",
+        "| toolpool.Executor, prefetch=16",
+    ]

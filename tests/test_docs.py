@@ -33,6 +33,18 @@ def _claims(block: str) -> list[str]:
     ]
 
 
+def _run_example(tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``example.py`` of ``tmp_path`` there, as a reader would."""
+    return subprocess.run(
+        [sys.executable, "example.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+    )
+
+
 @pytest.mark.timeout(120)
 def test_the_readme_example_prints_what_its_comments_say(tmp_path: Path) -> None:
     tools, script = _python_blocks(README)[:2]
@@ -42,14 +54,7 @@ def test_the_readme_example_prints_what_its_comments_say(tmp_path: Path) -> None
     claims = _claims(script)
     assert claims[:2] == ["ok slept 0.5s", "aborted cancel"]
     for _ in range(3):  # it printed "aborted_before_dispatch" 7 runs in 10 without the wait
-        done = subprocess.run(
-            [sys.executable, "example.py"],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=90,
-            stdin=subprocess.DEVNULL,
-        )
+        done = _run_example(tmp_path)
         assert done.returncode == 0, done.stderr
         printed = done.stdout.splitlines()
         assert [" ".join(line.split()) for line in printed[:2]] == claims[:2]
@@ -62,14 +67,7 @@ def test_the_readme_map_example_prints_one_line_per_item(tmp_path: Path) -> None
     assert "pool.map(" in example
     (tmp_path / "mytools.py").write_text(tools)
     (tmp_path / "example.py").write_text(example)
-    done = subprocess.run(
-        [sys.executable, "example.py"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=90,
-        stdin=subprocess.DEVNULL,
-    )
+    done = _run_example(tmp_path)
     assert done.returncode == 0, done.stderr
     lines = [line.split() for line in done.stdout.splitlines()]
     assert sorted(int(line[0]) for line in lines) == list(range(8))
@@ -95,6 +93,17 @@ def test_the_contract_has_every_clause_the_code_and_tests_cite() -> None:
         cited |= set(re.findall(r"\b(C\d+(?:\.\d+)?)\b", path.read_text()))
     assert cited, "the search found no citation at all"
     assert cited <= defined, sorted(cited - defined)
+
+
+@pytest.mark.timeout(120)
+def test_the_readme_executor_example_prints_what_its_comments_say(tmp_path: Path) -> None:
+    (example,) = [b for b in _python_blocks(README) if "toolpool.Executor(" in b]
+    (tmp_path / "example.py").write_text(example)
+    done = _run_example(tmp_path)
+    assert done.returncode == 0, done.stderr
+    claims = _claims(example)
+    assert claims == ["1024", "[1, 1, 2, 6, 24, 120]", "RemoteTraceback", "error"]
+    assert [" ".join(line.split()) for line in done.stdout.splitlines()] == claims
 
 
 # ------------------------------------------------------------------ every snippet runs

@@ -253,12 +253,14 @@ async def test_bad_arguments_raise_at_once(tmp_path: Path) -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("ordered", [False, True])
 async def test_a_bad_item_ends_the_map_after_the_results_before_it(ordered: bool) -> None:
-    source = Pulled([{"i": 1}, {"i": 2}, 7, {"i": 3}])  # type: ignore[list-item]
+    # (7 is no mapping: a bad item for "varied", which has several parameters; "square",
+    # with one, takes it as its value: test_items_are_the_value_of_a_one_parameter_tool)
+    source = Pulled([{"kind": "ok", "i": 1}, {"kind": "ok", "i": 2}, 7, {"kind": "ok"}])
     async with running_pool(TOOLS, workers=1) as pool:
         got = []
-        with pytest.raises(TypeError, match="args at index 2: args must be a mapping"):
-            await collect(pool.map("square", source, ordered=ordered), got)
-        assert sorted(r.value for r in got) == [1, 4]  # the two before it, then the error
+        with pytest.raises(TypeError, match="args at index 2: expected a mapping of arguments"):
+            await collect(pool.map("varied", source, ordered=ordered), got)
+        assert sorted(r.value for r in got) == [1, 2]  # the two before it, then the error
         assert source.pulled == 3  # nothing after it was pulled
         assert pool.statistics().submitted == 2
 
@@ -297,3 +299,17 @@ async def test_closing_the_pool_ends_a_running_map_with_pool_closed() -> None:
     assert [r.index for r in got[:1]] == [0]
     assert sorted(r.index for r in got[1:]) == [1, 2, 3, 4]
     assert all(r.cause is not None and r.cause.kind == "disposed" for r in got[1:])
+
+
+@pytest.mark.timeout(60)
+async def test_items_are_the_value_of_a_one_parameter_tool() -> None:
+    async with running_pool(TOOLS, workers=1) as pool:
+        results = [r async for r in pool.map("square", range(5), ordered=True)]
+        assert [r.value for r in results] == [0, 1, 4, 9, 16]
+        # A mapping is still the arguments; None is still none (here: one missing).
+        mixed = [r async for r in pool.map("square", [{"i": 3}, 4, None], ordered=True)]
+        assert [r.value for r in mixed[:2]] == [9, 16]
+        assert mixed[2].outcome is Outcome.ERROR
+        # A tool of several parameters takes mappings only, and says which it has.
+        with pytest.raises(TypeError, match=r"'varied' has 3: i, kind, path"):
+            await collect(pool.map("varied", [1]), [])

@@ -6,6 +6,7 @@ pid and by a marker in a grandchild's argv."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -851,3 +852,271 @@ def test_the_mcp_package_exports_and_says_when_the_extra_is_missing() -> None:
 def test_importing_toolpool_does_not_import_the_sdk() -> None:
     code = "import sys, toolpool; toolpool.Pool; assert 'mcp' not in sys.modules, 'mcp'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_task_cancel_after_its_deadline_fired_reports_the_first_cause() -> None:
+    """The call's deadline stops it first (cause timeout); a tasks/cancel sent during the
+    ladder changes nothing: the task ends failed (not cancelled), its result says timeout."""
+    marker = f"tp-mcp-{uuid.uuid4().hex}"
+    proc = subprocess.Popen(
+        raw.server_command("--term-grace", "5", "--timeout", "1"),
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        raw.initialize(proc)
+        raw.send(
+            proc,
+            {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "tools/call",
+                "params": {"name": "stubborn", "arguments": {"marker": marker}, "task": {}},
+            },
+        )
+        task_id = raw.receive(proc)["result"]["task"]["taskId"]
+        assert proc.stderr is not None
+        # The deadline fired and the ladder reached SIGTERM (the tool ignores it): the
+        # SIGKILL is 5 s away, time enough for the client's cancel to arrive first.
+        while b"SIGTERM to its tree for call" not in (line := proc.stderr.readline()):
+            assert line, "the server's log ended before its SIGTERM"
+        raw.send(
+            proc,
+            {"jsonrpc": "2.0", "id": 2, "method": "tasks/cancel", "params": {"taskId": task_id}},
+        )
+        final = raw.receive(proc)
+        assert final.get("id") == 2, final
+        assert final["result"]["status"] == "failed", final
+        assert final["result"]["statusMessage"].startswith("killed")
+        raw.send(
+            proc,
+            {"jsonrpc": "2.0", "id": 3, "method": "tasks/result", "params": {"taskId": task_id}},
+        )
+        content = raw.receive(proc)["result"]["structuredContent"]
+        assert (content["outcome"], content["cause"]) == ("killed", "timeout")
+        assert not _marked(marker)  # settled: its tree is gone
+    finally:
+        _end(proc)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def test_tasks_fail_closed_without_an_owner() -> None:
+    """The connection that owns a task comes from a private attribute of the SDK
+    (``_connection_of``): should an SDK release lose it (None), no task is made and none is
+    shown, rather than every client seeing and cancelling every other's tasks."""
+    from toolpool.mcp._tasks import TaskStore
+
+    store = TaskStore()
+    call: Any = object()
+    with pytest.raises(ValueError, match="owner"):
+        store.create(None, call, None)
+    owner = object()
+    task = store.create(owner, call, None)
+    assert store.get(owner, task.id) is task
+    assert store.get(None, task.id) is None
+    assert list(store.of(None)) == []
+    assert list(store.of(owner)) == [task]
+
+
+SERVE_THEN_READ = """
+import sys, threading, anyio, toolpool
+from toolpool.mcp import serve
+
+async def main():
+    async with toolpool.Pool() as pool:
+        await pool.add_provider("t", "tests.mcp_tools:registry", workers=1)
+        print("serving", file=sys.stderr, flush=True)
+        await serve(pool)
+    print("returned", file=sys.stderr, flush=True)
+
+anyio.run(main)
+for thread in threading.enumerate():
+    if thread.name.startswith("toolpool-mcp-stdin"):
+        thread.join(20)
+        assert not thread.is_alive(), "the stdin reader outlived serve()"
+sys.stdout.buffer.write(b"after: " + sys.stdin.buffer.readline())
+"""
+
+
+def test_serve_from_python_leaves_stdin_to_the_program_after_it() -> None:
+    """``serve()`` returned (SIGTERM): its reader thread ends and reads no more of stdin,
+    so the line the program reads next is the program's, not swallowed by a reader left
+    behind."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE_THEN_READ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stderr is not None
+        while b"serving" not in (line := proc.stderr.readline()):
+            assert line, "the program ended before serving"
+        raw.initialize(proc)
+        proc.send_signal(signal.SIGTERM)
+        while b"returned" not in (line := proc.stderr.readline()):
+            assert line, "the program ended before serve() returned"
+        out, _ = proc.communicate(b"hello\n", timeout=60)
+        assert out == b"after: hello\n"
+        assert proc.returncode == 0
+    finally:
+        _end(proc)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+async def test_statistics_count_a_cancel_only_where_its_cause_stuck() -> None:
+    """The call's deadline stops it first (cause timeout); the server's cancel that comes
+    during the ladder is not the cause that stuck, so ``statistics().cancelled`` does not
+    count it; the answer says timeout."""
+    marker = f"tp-mcp-{uuid.uuid4().hex}"
+    sigterm = anyio.Event()
+
+    class OnSigterm(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:  # (the pool logs in its loop)
+            if "SIGTERM to its tree" in record.getMessage():
+                sigterm.set()
+
+    handler = OnSigterm()
+    supervisor_log = logging.getLogger("toolpool.supervisor")
+    supervisor_log.addHandler(handler)
+    previous = supervisor_log.level
+    supervisor_log.setLevel(logging.INFO)
+    try:
+        async with _http(timeout=1) as http, _client(http.url) as session:
+            async with anyio.create_task_group() as tg:
+                answers: list[types.CallToolResult] = []
+
+                async def call() -> None:
+                    answers.append(await session.call_tool("stubborn", {"marker": marker}))
+
+                tg.start_soon(call)
+                with anyio.fail_after(60):
+                    await sigterm.wait()  # the deadline fired; the ladder reached SIGTERM
+                assert http.server.cancel_all({"kind": "user"}) == 1
+            content = answers[0].structured_content
+            assert content is not None
+            assert (content["outcome"], content["cause"]) == ("killed", "timeout")
+            assert not _marked(marker)
+            stats = http.server.statistics()
+            assert dict(stats.outcomes) == {"killed": 1}
+            assert dict(stats.cancelled) == {}
+    finally:
+        supervisor_log.removeHandler(handler)
+        supervisor_log.setLevel(previous)
+
+
+async def test_a_change_made_while_announcing_the_last_is_announced_too() -> None:
+    """A catalog change made while ``tools/list_changed`` of the previous one is being
+    sent is announced as well (a client that listed in between must hear of it), and a
+    client that takes its notification slowly holds up no other."""
+    calls: list[str] = []
+    first_sent = anyio.Event()
+    release = anyio.Event()
+    second_sent = anyio.Event()
+
+    class Slow:  # stands in for a client session that takes the first one slowly
+        async def send_tool_list_changed(self) -> None:
+            calls.append("slow")
+            if len(calls) == 1:
+                first_sent.set()
+                await release.wait()
+            else:
+                second_sent.set()
+
+    quick_got = anyio.Event()
+
+    class Quick:
+        async def send_tool_list_changed(self) -> None:
+            quick_got.set()
+
+    async with toolpool.Pool() as pool:
+        server = McpServer(pool)
+        try:
+            async with server:
+                server._connections[1] = Slow()
+                server._connections[2] = Quick()
+                await pool.add_provider("extra", "tests.mcp_tools:extra", workers=1)
+                with anyio.fail_after(30):
+                    await first_sent.wait()
+                    await quick_got.wait()  # not held up by the slow one
+                await pool.remove_provider("extra")  # while the first is being sent
+                release.set()
+                with anyio.fail_after(30):
+                    await second_sent.wait()
+                assert "late" not in server.tools
+        finally:
+            server.close()
+
+
+def test_sigterm_answers_a_pending_tasks_result_before_exiting() -> None:
+    """A client waits on ``tasks/result`` of a running task; SIGTERM drains: the task's
+    call is cancelled (disposed) and that request is answered before the server exits."""
+    proc = raw.start_server()
+    try:
+        raw.initialize(proc)
+        raw.send(
+            proc,
+            {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "tools/call",
+                "params": {"name": "nap", "arguments": {"seconds": 60}, "task": {}},
+            },
+        )
+        task_id = raw.receive(proc)["result"]["task"]["taskId"]
+        raw.send(
+            proc,
+            {"jsonrpc": "2.0", "id": 2, "method": "tasks/result", "params": {"taskId": task_id}},
+        )
+        deadline = time.monotonic() + 30
+        while True:  # the protocol's own way to see the body run: poll tasks/get
+            raw.send(
+                proc,
+                {"jsonrpc": "2.0", "id": 3, "method": "tasks/get", "params": {"taskId": task_id}},
+            )
+            answer = raw.receive(proc)
+            if answer.get("id") == 3 and answer["result"]["statusMessage"].startswith("running"):
+                break
+            assert time.monotonic() < deadline, "the task's body never ran"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        answer = raw.receive(proc)  # EOFError if the server exits without answering
+        while answer.get("id") != 2:
+            answer = raw.receive(proc)
+        content = answer["result"]["structuredContent"]
+        assert (content["outcome"], content["cause"]) == ("aborted", "disposed")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        _end(proc)
+
+
+def test_stdio_deeply_nested_json_is_refused_not_a_crash() -> None:
+    """A line of a few hundred kilobytes of nested brackets (well under the size limit)
+    is answered with a parse error, and the server serves on."""
+    proc = raw.start_server()
+    try:
+        raw.initialize(proc)
+        assert proc.stdin is not None
+        for line in (
+            b"[" * 100_000 + b"]" * 100_000,
+            b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":'
+            + b"[" * 100_000
+            + b"]" * 100_000
+            + b"}}",
+        ):
+            proc.stdin.write(line + b"\n")
+            proc.stdin.flush()
+            answer = raw.receive(proc)  # EOFError if the server died of it
+            assert answer["error"]["code"] == -32700, answer
+        raw.call(proc, 2, "echo", {"value": 2})
+        assert raw.receive(proc)["result"]["structuredContent"]["value"] == 2
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        _end(proc)

@@ -57,3 +57,24 @@ def test_every_error_is_exported() -> None:
     from toolpool.core import _errors
 
     assert set(_errors.__all__) <= set(toolpool.__all__)
+
+
+def test_the_executor_errors_read_toolpool_x_from_their_first_raise() -> None:
+    code = textwrap.dedent(
+        """
+        from toolpool.supervisor import _executor
+        names = ("CallFailed", "RemoteError", "RemoteTraceback")
+        assert all(getattr(_executor, n).__module__ == "toolpool" for n in names)
+        import toolpool
+        assert issubclass(toolpool.RemoteError, toolpool.CallFailed)
+        assert issubclass(toolpool.CallFailed, toolpool.ToolpoolError)
+        raise _executor.RemoteTraceback("the worker's traceback")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 1, done.stderr
+    assert (
+        done.stderr.strip().splitlines()[-1] == "toolpool.RemoteTraceback: the worker's traceback"
+    )

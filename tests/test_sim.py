@@ -78,3 +78,18 @@ def test_the_unkillable_checks_can_fail(
     assert caught in error, error
     with pytest.raises(sim_world.Violation):
         sim_world.run(seed, shrunk)
+
+
+@pytest.mark.timeout(120)
+def test_the_max_calls_checks_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Schedules run with ``max_calls_per_worker`` (1 or 3) half the time; a core that
+    never retires a worker that served them all is caught."""
+    from toolpool.supervisor import _dispatch
+
+    monkeypatch.setattr(_dispatch, "_used_up", lambda w: False)
+    summary = sim_world.simulate(1000, 300, 300)
+    assert summary.failures
+    seed, error, shrunk = summary.failures[0]
+    assert "max_calls" in error, error
+    with pytest.raises(sim_world.Violation):
+        sim_world.run(seed, shrunk)

@@ -133,9 +133,11 @@ def test_sync_map_errors() -> None:
         with pytest.raises(TypeError, match="not one mapping"):
             pool.map("square", {"i": 1})  # type: ignore[arg-type]
         got = []
+        # ("x" is no mapping: a bad item for "varied", of several parameters; "square", of
+        # one, would take it as its value.)
         with pytest.raises(TypeError, match="args at index 2"):
-            got.extend(pool.map("square", [{"i": 2}, None, "x"]))  # type: ignore[list-item]
-        # (None is "no arguments": square then fails in the worker, a result like any other.)
+            got.extend(pool.map("varied", [{"kind": "ok", "i": 4}, None, "x"]))
+        # (None is "no arguments": varied then fails in the worker, a result like any other.)
         assert [r.value for r in got if r.ok] == [4]
         assert [r.outcome for r in got if not r.ok] == [Outcome.ERROR]
         assert pool.statistics().submitted == 2
@@ -198,3 +200,9 @@ def test_sync_map_hands_over_through_a_narrow_window(max_in_flight: int) -> None
             if ordered:
                 assert got == list(range(n))
             assert max(source.ahead) <= max_in_flight
+
+
+@pytest.mark.timeout(60)
+def test_sync_map_items_are_the_value_of_a_one_parameter_tool() -> None:
+    with sync_pool(workers=1) as pool, pool.map("square", range(5), ordered=True) as results:
+        assert [r.value for r in results] == [0, 1, 4, 9, 16]

@@ -19,7 +19,7 @@ import anyio
 if TYPE_CHECKING:
     from .supervisor import Call, Result
 
-__all__ = ("EXIT_INTERRUPTED", "Interrupts", "say")
+__all__ = ("EXIT_INTERRUPTED", "Interrupts", "killing_line", "say", "stopping_line")
 
 #: Exit status after Ctrl-C, as a shell reports a process that SIGINT ended (128 + 2).
 EXIT_INTERRUPTED = 130
@@ -28,6 +28,25 @@ EXIT_INTERRUPTED = 130
 def say(line: str) -> None:
     """One line from the command itself, on stderr."""
     print(f"toolpool: {line}", file=sys.stderr, flush=True)
+
+
+def stopping_line(cancel_grace: float, term_grace: float, what: str = "stopping the pool") -> str:
+    """What the first Ctrl-C says: what is stopped, and how."""
+    return (
+        f"interrupted: {what}. Its calls are cancelled; one that does not stop within "
+        f"{cancel_grace:g}s gets SIGTERM, then SIGKILL {term_grace:g}s later. Ctrl-C again "
+        "to kill them now."
+    )
+
+
+def killing_line(calls: int) -> str:
+    """What the second Ctrl-C says."""
+    what = "1 call" if calls == 1 else f"{calls} calls"
+    return f"interrupted again: killing {what} now (SIGKILL)"
+
+
+#: What a command (or a SyncPool) says once an interrupted close is over.
+STOPPED_LINE = "stopped: every call settled and every process of the pool is gone"
 
 
 class Interrupts:
@@ -89,23 +108,18 @@ class Interrupts:
         if failure and not self.count:
             raise failure[0]
         if self.count:
-            say("stopped: every call settled and every process of the pool is gone")
+            say(STOPPED_LINE)
             return EXIT_INTERRUPTED
         return status[0]
 
     def _interrupted(self) -> None:
         self.count += 1
         if self.count == 1:
-            say(
-                "interrupted: stopping the pool. Its calls are cancelled; one that does not "
-                f"stop within {self.cancel_grace:g}s gets SIGTERM, then SIGKILL "
-                f"{self.term_grace:g}s later. Ctrl-C again to kill them now."
-            )
+            say(stopping_line(self.cancel_grace, self.term_grace))
             if self._scope is not None:
                 self._scope.cancel()
             return
         running = [c for c in self._calls if not c.done()]
         for call in running:
             call.cancel(force=True)
-        what = "1 call" if len(running) == 1 else f"{len(running)} calls"
-        say(f"interrupted again: killing {what} now (SIGKILL)")
+        say(killing_line(len(running)))

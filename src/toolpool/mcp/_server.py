@@ -79,7 +79,9 @@ class McpStatistics:
     outcomes: Mapping[str, int]
     """Settled calls by outcome (``ok``, ``aborted``, ``killed``...)."""
     cancelled: Mapping[str, int]
-    """Calls this server cancelled, by cause (``user``, ``parent``, ``disposed``)."""
+    """Settled calls this server's cancel stopped, by cause (``user``, ``parent``,
+    ``disposed``): counted once settled, and only where that cancel is the cause that stuck
+    (the first wins: a call its deadline stopped first is not counted here)."""
     undelivered: int
     """Settled calls whose result no client received: its request was cancelled, or its
     client went away. Their results are logged (logger ``toolpool.mcp``) and counted here."""
@@ -109,7 +111,11 @@ def _peer_cancelled(ctx: ServerRequestContext[Any, Any]) -> bool:
 
 
 def _connection_of(ctx: ServerRequestContext[Any, Any]) -> Any:
-    """The SDK's per-client ``Connection`` of a request (identity: who owns a task)."""
+    """The SDK's per-client ``Connection`` of a request (identity: who owns a task).
+
+    A private attribute of the SDK 2.3 session. Should a release rename it, this is None and
+    the face fails closed: no task is created, none is shown (``TaskStore``), rather than
+    every client seeing every other's tasks."""
     return getattr(ctx.session, "_connection", None)
 
 
@@ -340,8 +346,7 @@ class McpServer:
         if call.done():
             return
         if tracked.cause is None:
-            tracked.cause = cause
-            self._cancelled[cause.kind] = self._cancelled.get(cause.kind, 0) + 1
+            tracked.cause = cause  # counted once settled, if it is the cause that stuck
         if cause.kind in ("user", "parent"):
             call.cancel(cause, force=force)
         else:  # a runtime cause: only the runtime may give it (C1.2)
@@ -508,14 +513,23 @@ class McpServer:
 
     async def _announce_changes(self) -> None:
         """Send ``notifications/tools/list_changed`` to every client after a change."""
+        changed = self._list_changed = anyio.Event()
         while True:
-            self._list_changed = anyio.Event()
-            await self._list_changed.wait()
-            for session in list(self._connections.values()):
-                try:
-                    await session.send_tool_list_changed()
-                except Exception:  # a client gone meanwhile: its connection ends anyway
-                    _log.debug("could not send tools/list_changed", exc_info=True)
+            await changed.wait()
+            # Armed again before sending: a change made while we send is announced too.
+            changed = self._list_changed = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                for session in list(self._connections.values()):
+                    tg.start_soon(self._tell_list_changed, session)
+
+    @staticmethod
+    async def _tell_list_changed(session: Any) -> None:
+        # Each client on its own, bounded: one that reads nothing holds up no other.
+        with anyio.move_on_after(5):
+            try:
+                await session.send_tool_list_changed()
+            except Exception:  # a client gone meanwhile: its connection ends anyway
+                _log.debug("could not send tools/list_changed", exc_info=True)
 
     async def _list_tools(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
@@ -580,6 +594,11 @@ class McpServer:
         else:
             outcome = result.outcome.value
             self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
+            stuck = result.cause["kind"] if result.cause is not None else None
+            if tracked.cause is not None and stuck == tracked.cause.kind:
+                # Ours only if ours came first: a call its deadline had stopped before we
+                # cancelled it is the pool's (cause timeout), not ours.
+                self._cancelled[stuck] = self._cancelled.get(stuck, 0) + 1
             if tracked.task is not None:
                 tracked.task.settle(result, self._task_payload(tracked.task, result))
                 tracked.delivered = True  # it is there for tasks/result
@@ -622,12 +641,7 @@ class McpServer:
             request_id = None
         try:
             result = await self._settled(ctx, tracked)
-            if (
-                self._unwritten is not None
-                and ctx.request_id is not None
-                and not _peer_cancelled(ctx)  # (the SDK answers no cancelled request)
-            ):
-                self._unwritten.add(ctx.request_id)  # the SDK writes it once we return
+            self._will_answer(ctx)
             gone = _disconnected(ctx)
             tracked.delivered = not (gone is not None and gone.is_set()) and not _peer_cancelled(
                 ctx
@@ -648,6 +662,34 @@ class McpServer:
             self._handlers -= 1
             self._maybe_idle()
         return types.CallToolResult.model_validate(call_result(result), by_name=False)
+
+    def _will_answer(self, ctx: ServerRequestContext[Any, Any]) -> None:
+        """The handler of this request returns its answer now: over a stream transport, a
+        drain waits until the SDK has written it (``_answers_written``)."""
+        if (
+            self._unwritten is not None
+            and ctx.request_id is not None
+            and not _peer_cancelled(ctx)  # (the SDK answers no cancelled request)
+        ):
+            self._unwritten.add(ctx.request_id)  # the SDK writes it once we return
+
+    async def _answering(
+        self, ctx: ServerRequestContext[Any, Any], work: Awaitable[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """A request that waits on a call (``tasks/result``, ``tasks/cancel``): counted as a
+        handler, so a drain answers it before serving stops, as it does a ``tools/call``."""
+        self._handlers += 1
+        try:
+            answer = await work
+        except MCPError:
+            self._will_answer(ctx)
+            raise
+        else:
+            self._will_answer(ctx)
+            return answer
+        finally:
+            self._handlers -= 1
+            self._maybe_idle()
 
     async def _settled(self, ctx: ServerRequestContext[Any, Any], tracked: _Tracked) -> Result:
         call = tracked.call
@@ -712,6 +754,12 @@ class McpServer:
                 self._cancel(tracked, _PARENT)
 
     async def _create_task(self, ctx: ServerRequestContext[Any, Any], owner: Any) -> dict[str, Any]:
+        if owner is None:  # (an SDK that no longer shows it: see `_connection_of`)
+            raise MCPError(
+                code=types.INTERNAL_ERROR,
+                message="task-augmented calls are unavailable: this request's connection "
+                "is unknown, so its task could not be kept from other clients",
+            )
         params = types.CallToolRequestParams.model_validate(ctx.params, by_name=False)
         call = self._submit(params.name, params.arguments)
         ttl = params.task.ttl if params.task is not None else None
@@ -740,6 +788,10 @@ class McpServer:
         self, ctx: ServerRequestContext[Any, Any], params: types.GetTaskPayloadRequestParams
     ) -> dict[str, Any]:
         task = self._task(ctx, params.task_id)
+        return await self._answering(ctx, self._payload_once_done(task))
+
+    @staticmethod
+    async def _payload_once_done(task: Task) -> dict[str, Any]:
         await task.done.wait()
         if task.payload is None:
             raise MCPError(code=types.INTERNAL_ERROR, message=task.message or "no result")
@@ -759,6 +811,10 @@ class McpServer:
         if tracked is not None:
             self._cancel(tracked, _USER)
         # Answered only once the call settled: for a killed call, once its tree is gone.
+        return await self._answering(ctx, self._wire_once_done(task))
+
+    @staticmethod
+    async def _wire_once_done(task: Task) -> dict[str, Any]:
         with anyio.CancelScope(shield=True):
             await task.done.wait()
         return task.wire()

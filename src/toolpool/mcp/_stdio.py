@@ -5,8 +5,9 @@ Ours rather than the SDK's ``stdio_server`` for three reasons, each a promise of
 - a line that is not JSON, not a JSON-RPC message, or longer than ``max_message_bytes`` is
   answered with a JSON-RPC error (``id`` null when it cannot be read), never dropped silently
   and never a crash; an oversized line is skipped without being held in memory whole;
-- reading and writing never keep the server from stopping: a blocked ``read`` of stdin (the
-  client is alive but silent, and the server was told to stop) is abandoned, not waited for;
+- reading and writing never keep the server from stopping: a read of stdin waiting on a
+  silent client ends when serving ends (the reader polls stdin and a wake-up pipe), and
+  reads nothing more: what comes next on stdin is left to the program;
 - a client that went away while we write (``EPIPE``) ends the writing quietly.
 
 While it serves, fd 0 reads ``/dev/null`` and fd 1 writes to stderr (the wire is served from
@@ -19,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -61,6 +63,8 @@ def parse_line(line: bytes) -> SessionMessage:
         data = json.loads(line)
     except ValueError:
         return _error(PARSE_ERROR, "Parse error: not JSON")
+    except RecursionError:  # a few hundred kilobytes of brackets: refused, never a crash
+        return _error(PARSE_ERROR, "Parse error: nested too deeply")
     request_id = data.get("id") if isinstance(data, dict) else None
     return _error(INVALID_REQUEST, "Invalid Request: not a JSON-RPC 2.0 message", request_id)
 
@@ -86,7 +90,6 @@ async def stdio_streams(
     in_fd, saved_in = _claim(0, devnull)
     os.close(devnull)
     out_fd, saved_out = _claim(1, 2)
-    reader: BinaryIO = os.fdopen(in_fd, "rb", buffering=65536)
     writer: BinaryIO = os.fdopen(out_fd, "wb")  # buffered: it writes each line whole
     read_send, read_recv = anyio.create_memory_object_stream[SessionMessage | Exception](0)
     write_send, write_recv = anyio.create_memory_object_stream[SessionMessage](16)
@@ -100,34 +103,65 @@ async def stdio_streams(
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             pass  # the server stopped serving first
 
-    #: What the reader thread saw: a line, ``OVERSIZED``, or ``b""`` at the end.
+    #: What the reader thread saw: a line, None for an oversized one, or ``b""`` at the end.
     lines_send, lines_recv = anyio.create_memory_object_stream[bytes | None](0)
     token = anyio.lowlevel.current_token()
+    # Woken (a byte written) when serving ends: the reader stops reading stdin then, so a
+    # program that goes on after serving (``serve()`` from Python) keeps what comes next.
+    wake_r, wake_w = os.pipe()
+    reader_started = False
 
     def read_in_thread() -> None:
         # A daemon thread of its own: a read blocked on a silent client never holds up
         # the server's exit (an anyio worker thread would: the interpreter joins those).
         limit = max_message_bytes
+        pending = bytearray()
+        skipping = False  # the rest of an oversized line
+
+        def deliver(line: bytes | None) -> None:
+            anyio.from_thread.run(lines_send.send, line, token=token)
+
+        poller = select.poll()  # (not select(): any fd number)
+        poller.register(in_fd, select.POLLIN)
+        poller.register(wake_r, select.POLLIN)
         try:
             while True:
-                line: bytes | None = reader.readline(limit + 1)
-                if line and len(line) > limit and not line.endswith(b"\n"):
-                    while line and not line.endswith(b"\n"):  # skip the rest of it
-                        line = reader.readline(65536)
-                    anyio.from_thread.run(lines_send.send, None, token=token)  # oversized
-                    if not line:
-                        line = b""
-                    else:
-                        continue
-                anyio.from_thread.run(lines_send.send, line, token=token)
-                if not line:
+                if any(fd == wake_r for fd, _ in poller.poll()):
+                    return  # serving ended: leave the rest of stdin unread
+                chunk = os.read(in_fd, 65536)
+                if not chunk:  # EOF: a last line without its newline is a line too
+                    if skipping:
+                        deliver(None)
+                    elif pending:
+                        deliver(bytes(pending))
+                    deliver(b"")
                     return
-        except Exception:  # the server stopped serving (or stdin broke): nothing to tell
+                pending += chunk
+                while (end := pending.find(b"\n")) >= 0:
+                    line = bytes(pending[: end + 1])
+                    del pending[: end + 1]
+                    if skipping or len(line) > limit + 1:
+                        skipping = False
+                        deliver(None)
+                    else:
+                        deliver(line)
+                if len(pending) > limit:  # an oversized line: not held in memory whole
+                    skipping = True
+                    pending.clear()
+        except OSError:  # stdin broke: as its end, the client is gone
+            with contextlib.suppress(Exception):
+                deliver(b"")
+        except Exception:  # the server stopped serving: nothing to tell
             return
+        finally:
+            os.close(in_fd)
+            os.close(wake_r)
 
     async def _read_lines() -> None:
+        nonlocal reader_started
         limit = max_message_bytes
         threading.Thread(target=read_in_thread, name="toolpool-mcp-stdin", daemon=True).start()
+        reader_started = True
         async with read_send, replies, lines_recv:
             async for line in lines_recv:
                 if line is None:
@@ -191,6 +225,12 @@ async def stdio_streams(
                     await written.wait()
                 tg.cancel_scope.cancel()
     finally:
+        with contextlib.suppress(OSError):  # (EPIPE: the reader already ended)
+            os.write(wake_w, b"x")
+        os.close(wake_w)
+        if not reader_started:
+            os.close(in_fd)
+            os.close(wake_r)
         os.dup2(saved_in, 0)
         os.dup2(saved_out, 1)
         os.close(saved_in)

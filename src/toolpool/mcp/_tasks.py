@@ -7,7 +7,9 @@ the tool's result, ``tasks/cancel`` cancels it and answers only once the pool ca
 call means its worker's whole process tree is gone.
 
 Status: ``completed`` (outcome ``ok``), ``failed`` (any other outcome: the tool result has
-``isError``), ``cancelled`` (``tasks/cancel`` asked and the call ended by that cancellation).
+``isError``), ``cancelled`` (``tasks/cancel`` asked and the call ended by that cancellation,
+its cause ``user``: a call its deadline or the server's shutdown had stopped first is
+``failed``, the first cause wins).
 ``statusMessage`` says what happened to the tool body, in the outcome's words.
 
 Tasks belong to the connection that created them: another connection neither sees nor
@@ -86,9 +88,12 @@ class Task:
     def settle(self, result: Result, payload: dict[str, Any]) -> None:
         """The call settled: the task takes its final state."""
         outcome = result.outcome.value
+        cause = result.cause["kind"] if result.cause is not None else None
         if outcome == "ok":
             self.status = "completed"
-        elif self.cancel_requested and outcome in _CANCEL_OUTCOMES:
+        elif self.cancel_requested and cause == "user" and outcome in _CANCEL_OUTCOMES:
+            # Only when its cancel is the one that stuck (the first cause wins): a call
+            # its deadline or the server's shutdown had already stopped is not "cancelled".
             self.status = "cancelled"
         else:
             self.status = "failed"
@@ -128,6 +133,8 @@ class TaskStore:
         self._tasks: dict[str, Task] = {}
 
     def create(self, owner: object, call: Call, ttl_ms: int | None) -> Task:
+        if owner is None:  # fail closed: an ownerless task would be every client's
+            raise ValueError("a task needs an owner (the connection that created it)")
         self._expire()
         ttl = DEFAULT_TASK_TTL_MS if ttl_ms is None else max(1, min(int(ttl_ms), 86_400_000))
         task = Task(id=secrets.token_urlsafe(16), owner=owner, call=call, ttl_ms=ttl)
@@ -136,9 +143,11 @@ class TaskStore:
 
     def get(self, owner: object, task_id: str) -> Task | None:
         task = self._tasks.get(task_id)
-        return task if task is not None and task.owner is owner else None
+        return task if task is not None and owner is not None and task.owner is owner else None
 
     def of(self, owner: object) -> Iterator[Task]:
+        if owner is None:
+            return iter(())
         return (t for t in list(self._tasks.values()) if t.owner is owner)
 
     def _expire(self) -> None:

@@ -14,6 +14,14 @@ from ._events import (
     WorkerExited,
     WorkerStarted,
 )
+from ._executor import (
+    CallFailed,
+    Executor,
+    ExecutorFuture,
+    RemoteError,
+    RemoteTraceback,
+    terminate,
+)
 from ._map import MapIterator, SyncMapIterator
 from ._pool import Pool
 from ._results import (
@@ -31,7 +39,10 @@ from ._sync import SyncCall, SyncPool
 
 __all__ = (
     "Call",
+    "CallFailed",
     "ContainmentReport",
+    "Executor",
+    "ExecutorFuture",
     "Group",
     "Histogram",
     "Layer",
@@ -43,6 +54,8 @@ __all__ = (
     "ProviderRemoved",
     "ProviderResized",
     "Progress",
+    "RemoteError",
+    "RemoteTraceback",
     "Result",
     "Rung",
     "Statistics",
@@ -54,4 +67,5 @@ __all__ = (
     "WorkerExited",
     "WorkerStarted",
     "WorkerState",
+    "terminate",
 )

@@ -114,6 +114,8 @@ class Dispatch(Settlement):
                 and not w.gone
                 and not w.draining
                 and (best is None or n < len(best.calls))
+                # Not more than its max_calls: it retires once they are done.
+                and (spec.max_calls is None or w.served + n < spec.max_calls)
                 # Only behind bodies that leave the worker's loop free to withdraw it: an
                 # async body can hold the loop (and the queue) for as long as it runs. (The
                 # last one is enough: a call joins only a queue of such bodies.)
@@ -211,6 +213,16 @@ class Dispatch(Settlement):
     def _retire(self, w: WorkerRecord) -> None:
         raise NotImplementedError  # (_escalation.py)
 
+    def _top_up(self, p: ProviderRecord) -> list[WorkerRecord]:
+        raise NotImplementedError  # (_lifecycle.py)
+
+    def _retire_used_up(self, w: WorkerRecord) -> None:
+        """w served its ``max_calls``: it exits (``retired``, and why: ``_retire_reason``),
+        and a new worker starts in its place at once (as ``maxtasksperchild`` recycles a
+        process)."""
+        self._retire(w)
+        self._top_up(w.provider)
+
     def _send(self, w: WorkerRecord, frame: bytes) -> None:
         """Send a control frame to w (if it is gone, nobody reads it: nothing is lost)."""
         if not w.gone:
@@ -228,7 +240,14 @@ class Dispatch(Settlement):
             if w.state is WorkerState.BUSY and not w.calls:
                 if w.draining or w.provider.state != "active":
                     self._retire(w)  # (a shrink, or its provider was removed or reloaded)
+                elif _used_up(w):
+                    self._retire_used_up(w)
                 else:
                     w.state = WorkerState.READY
                     w.provider.ready.append(w)
         self._dispatch_due = True  # (_dispatch, inline: once per call)
+
+
+def _used_up(w: WorkerRecord) -> bool:
+    limit = w.provider.spec.max_calls
+    return limit is not None and w.served >= limit

@@ -261,6 +261,9 @@ class Escalation(Dispatch):
             return f"the start of provider {p.name!r} was rolled back{why}"
         if w.draining:
             return f"provider {p.name!r} was shrunk"
+        if p.spec.max_calls is not None and w.served >= p.spec.max_calls:
+            calls = "1 call" if w.served == 1 else f"{w.served} calls"
+            return f"it served {calls} (max_calls_per_worker={p.spec.max_calls})"
         return "told to exit"
 
     def _quarantine(self, w: WorkerRecord, violation: str | None) -> None:

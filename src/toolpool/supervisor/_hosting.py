@@ -70,6 +70,7 @@ class ProviderOptions:
     warm_spares: int
     prefetch: int
     timeout: float | None
+    max_calls: int | None = None
     layers: dict[str, tuple[bool, str]] | None = None  # the supervisor's side, once prepared
     cgroups: CgroupSet | None = None
 
@@ -81,7 +82,22 @@ class ProviderOptions:
             prefetch=self.prefetch,
             allow_background=self.allow_background,
             memory_cap=self.profile.memory,
+            max_calls=self.max_calls,
         )
+
+
+def default_workers() -> int:
+    """The default worker count: the CPUs this process may run on (its affinity mask, and
+    on Python 3.13+ ``PYTHON_CPU_COUNT`` / ``-X cpu_count`` too), at least 1."""
+    counter = getattr(os, "process_cpu_count", None)  # Python 3.13+
+    if counter is not None:
+        count = counter()
+    else:
+        try:
+            count = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # (no affinity on this platform)
+            count = os.cpu_count()
+    return max(1, count or 1)
 
 
 def check_count(name: str, value: object, *, minimum: int) -> None:
@@ -106,7 +122,7 @@ def provider_options(
     name: str,
     tools: object,
     *,
-    workers: int,
+    workers: int | None,
     profile: Profile | str,
     env: Mapping[str, str] | None,
     allow_background: bool,
@@ -115,12 +131,15 @@ def provider_options(
     prefetch: int | None,
     timeout: float | None,
     max_frame: int,
+    max_calls_per_worker: int | None = None,
 ) -> ProviderOptions:
     """Check a provider's options; raise a clear error for each bad one."""
     if not isinstance(name, str) or not name or not name.isprintable():
         raise ValueError(f"a provider's name is a non-empty printable str, not {name!r}")
     if not isinstance(tools, str) or ":" not in tools:
         raise ConfigurationError(f"tools must be 'module:attribute', got {tools!r}")
+    if workers is None:
+        workers = default_workers()
     check_count("workers", workers, minimum=1)
     check_count("warm_spares", warm_spares, minimum=0)
     if isinstance(profile, str):
@@ -135,6 +154,8 @@ def provider_options(
         raise ValueError("capture_output must be at most half of max_frame")
     if timeout is not None:
         check_seconds("timeout", timeout, positive=True)
+    if max_calls_per_worker is not None:
+        check_count("max_calls_per_worker", max_calls_per_worker, minimum=1)
     return ProviderOptions(
         name=name,
         tools=tools,
@@ -146,6 +167,7 @@ def provider_options(
         warm_spares=warm_spares,
         prefetch=prefetch,
         timeout=None if timeout is None else float(timeout),
+        max_calls=max_calls_per_worker,
     )
 
 
@@ -200,7 +222,7 @@ class Hosting:
         name: str,
         tools: str,
         *,
-        workers: int = 4,
+        workers: int | None = None,
         profile: Profile | str = "default",
         env: Mapping[str, str] | None = None,
         allow_background: bool = False,
@@ -208,9 +230,11 @@ class Hosting:
         warm_spares: int = 0,
         prefetch: int | None = None,
         timeout: float | None = None,
+        max_calls_per_worker: int | None = None,
     ) -> ProviderInfo:
         """Start a provider: ``workers`` processes running the tools of ``tools``
-        (``"module:attribute"``), under ``profile``. Returns once every one of them is ready
+        (``"module:attribute"``), under ``profile``; ``workers=None`` (default): one per CPU
+        this process may use. Returns once every one of them is ready
         and its tools resolve, after the listeners saw :class:`toolpool.ProviderAdded`.
 
         ``timeout``: the default timeout of its calls (``submit`` may give another). The other
@@ -236,6 +260,7 @@ class Hosting:
             prefetch=prefetch,
             timeout=timeout,
             max_frame=self.max_frame,
+            max_calls_per_worker=max_calls_per_worker,
         )
         self._prepare(options)
         self._options[name] = options

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from ._pool import Pool
 
-__all__ = ("MapIterator", "SyncMapIterator", "drive_sync_map")
+__all__ = ("MapIterator", "SyncMapIterator", "drive_sync_map", "thread_safe_caller")
 
 _PARENT: Final = CancelCause("parent")
 _log = logging.getLogger("toolpool.supervisor")
@@ -79,8 +79,10 @@ class MapIterator(AsyncIterator[Result]):
     each call, one call per item of the arguments iterable.
 
     - **Items.** Each item is the arguments of one call, as :meth:`Pool.submit` takes them: a
-      mapping of keyword arguments, or None for none (tools take keyword arguments only, so
-      there is no positional form). ``result.index`` is the item's position, from 0.
+      mapping of keyword arguments, or None for none. For a tool with exactly one parameter
+      an item may also be that parameter's value (``pool.map("square", range(10))``); a
+      mapping is still taken as the arguments (wrap one meant as the value:
+      ``{"param": mapping}``). ``result.index`` is the item's position, from 0.
     - **Backpressure.** Items are pulled lazily, in the event loop: at most
       :attr:`max_in_flight` calls are submitted and not yet yielded (queued, running, or
       settled and waiting to be yielded). A consumer that stops asking stops the pulling.
@@ -114,7 +116,7 @@ class MapIterator(AsyncIterator[Result]):
         self,
         pool: Pool,
         tool: str,
-        args_iterable: Iterable[Mapping[str, Any] | None],
+        args_iterable: Iterable[Any],
         *,
         timeout: float | None = None,
         ordered: bool = False,
@@ -139,6 +141,7 @@ class MapIterator(AsyncIterator[Result]):
         ):
             raise ValueError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
         self._items = _iterate(args_iterable)
+        self._only = only_parameter(pool.catalog[tool])  # items may be its value
         self._pool = pool
         self.tool: Final = tool
         """The tool every call runs."""
@@ -159,7 +162,7 @@ class MapIterator(AsyncIterator[Result]):
         self._pulling = True  # the iterable may have more items
         self._error: BaseException | None = None  # raised once what came before is yielded
         self._closed = False
-        self._call_soon = _thread_safe_caller()  # (for __del__, and a SyncPool's consumer)
+        self._call_soon = thread_safe_caller()  # (for __del__, and a SyncPool's consumer)
 
     # ------------------------------------------------------------------ the steps
 
@@ -197,6 +200,19 @@ class MapIterator(AsyncIterator[Result]):
                 self._fail(exc)
                 return
             index = self._submitted
+            if args is not None and not isinstance(args, Mapping):
+                if self._only is not None:
+                    args = {self._only: args}
+                else:
+                    self._fail(
+                        TypeError(
+                            f"pool.map: the args at index {index}: expected a mapping of "
+                            f"arguments, got {type(args).__name__} (only a tool with one "
+                            "parameter takes its value alone; "
+                            f"{tool!r} has {_parameters(pool.catalog.get(tool))})"
+                        )
+                    )
+                    return
             try:
                 call = pool._submit(tool, args, timeout=timeout, group=group, index=index)
             except (TypeError, ValueError) as exc:
@@ -335,6 +351,27 @@ def _cancel_group(group: Group) -> None:
         _log.exception("could not cancel the calls of a dropped map")
 
 
+def only_parameter(description: Mapping[str, Any]) -> str | None:
+    """The name of a tool's one parameter (besides its execution view), if it has exactly
+    one and takes no ``**kwargs``; else None."""
+    schema = description.get("input_schema")
+    if not isinstance(schema, Mapping) or schema.get("additionalProperties", True):
+        return None
+    properties = schema.get("properties")
+    if isinstance(properties, Mapping) and len(properties) == 1:
+        return str(next(iter(properties)))
+    return None
+
+
+def _parameters(description: Mapping[str, Any] | None) -> str:
+    schema = (description or {}).get("input_schema")
+    properties = schema.get("properties") if isinstance(schema, Mapping) else None
+    names = sorted(properties) if isinstance(properties, Mapping) else []
+    if not names:
+        return "none"
+    return f"{len(names)}: {', '.join(names)}"
+
+
 def default_max_in_flight(workers: int, prefetch: int) -> int:
     """Twice what the workers can hold (one call each, running, plus ``prefetch`` queued):
     the pool's queue holds as many again, so a worker never waits on the consumer."""
@@ -352,7 +389,7 @@ def _check_timeout(timeout: object) -> None:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
 
 
-def _iterate(args_iterable: object) -> Iterator[Mapping[str, Any] | None]:
+def _iterate(args_iterable: object) -> Iterator[Any]:
     """``iter(args_iterable)``, refusing what is surely a mistake."""
     if isinstance(args_iterable, Mapping):
         raise TypeError(
@@ -406,7 +443,7 @@ async def drive_sync_map(
     maps: weakref.WeakSet[MapIterator],
     feed: _Feed,
     tool: str,
-    args_iterable: Iterable[Mapping[str, Any] | None],
+    args_iterable: Iterable[Any],
     timeout: float | None,
     ordered: bool,
     max_in_flight: int | None,
@@ -454,7 +491,7 @@ async def drive_sync_map(
         put(end)
 
 
-def _thread_safe_caller() -> Callable[[Callable[[], object]], object]:
+def thread_safe_caller() -> Callable[[Callable[[], object]], object]:
     """In the loop's thread: a function any thread may call to run a callback in the loop
     soon, without waiting for it (a SyncPool runs asyncio; trio works too)."""
     try:

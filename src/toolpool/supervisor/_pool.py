@@ -106,7 +106,7 @@ class Pool(Channels, Hosting):
         self,
         tools: str | None = None,
         *,
-        workers: int = 4,
+        workers: int | None = None,
         cancel_grace: float = 5.0,
         term_grace: float = 2.0,
         start_timeout: float = 30.0,
@@ -123,11 +123,14 @@ class Pool(Channels, Hosting):
         drain_grace: float = 30.0,
         unkillable_after: float = 10.0,
         heartbeat: float | None = 1.0,
+        max_calls_per_worker: int | None = None,
     ) -> None:
         """
         :param tools: ``"module:attribute"`` naming the Registry of the ``"default"``
             provider; None: no provider until :meth:`add_provider`.
-        :param workers: how many worker processes (each runs one call at a time).
+        :param workers: how many worker processes (each runs one call at a time); None
+            (default): one per CPU this process may use (``os.process_cpu_count()`` on
+            Python 3.13+, else the size of its affinity mask, ``os.sched_getaffinity(0)``).
         :param cancel_grace: seconds a cancelled call has to stop cooperatively before SIGTERM.
         :param term_grace: seconds after SIGTERM before SIGKILL of the whole tree.
         :param start_timeout: seconds a worker has to import the tools and say hello.
@@ -173,6 +176,11 @@ class Pool(Channels, Hosting):
             thread of it runs: a C extension holding the GIL), told apart from a tool that
             ignores its signal (``Statistics.hung``, a log line; see ``docs/pool.md``,
             "Liveness"). None: no heartbeats.
+        :param max_calls_per_worker: a worker serves this many calls, then exits (reason
+            ``retired``) and a new one starts in its place, as ``multiprocessing``'s
+            ``maxtasksperchild``: a bound on what a tool leaks in its process (memory,
+            state). A call counts once it settled in that worker, unless its body surely
+            never started. None (default): workers serve until the pool closes.
         """
         check_count("max_start_failures", max_start_failures, minimum=1)
         for name, value in (
@@ -207,6 +215,7 @@ class Pool(Channels, Hosting):
                 prefetch=prefetch,
                 timeout=None,
                 max_frame=max_frame,
+                max_calls_per_worker=max_calls_per_worker,
             )
         )
         if options is None and not isinstance(profile, Profile):
@@ -217,7 +226,7 @@ class Pool(Channels, Hosting):
             profile = options.profile
         assert isinstance(profile, Profile)
         self.tools_spec = tools or ""
-        self.size = workers if options is not None else 0
+        self.size = options.workers if options is not None else 0
         self.cancel_grace = float(cancel_grace)
         self.term_grace = float(term_grace)
         self.start_timeout = float(start_timeout)
@@ -256,6 +265,7 @@ class Pool(Channels, Hosting):
                 drain_grace=self.drain_grace,
                 unkillable_after=self.unkillable_after,
                 heartbeat=self.heartbeat,
+                max_calls_per_worker=spec.max_calls if spec else None,
             ),
             self._files,  # the probe: the ledger and cgroup files it holds open
             lambda: secrets.token_hex(32).encode(),
@@ -486,15 +496,16 @@ class Pool(Channels, Hosting):
     def map(
         self,
         tool: str,
-        args_iterable: Iterable[Mapping[str, Any] | None],
+        args_iterable: Iterable[Any],
         *,
         timeout: float | None = None,
         ordered: bool = False,
         max_in_flight: int | None = None,
     ) -> MapIterator:
         """The settled results of ``tool`` called once per item of ``args_iterable`` (a
-        mapping of arguments each, as :meth:`submit` takes), pulled lazily: an async
-        iterator; see :class:`toolpool.MapIterator`. Bad arguments raise here, at once."""
+        mapping of arguments each, as :meth:`submit` takes; for a tool with one parameter,
+        its value), pulled lazily: an async iterator; see :class:`toolpool.MapIterator`.
+        Bad arguments raise here, at once."""
         return MapIterator(
             self, tool, args_iterable, timeout=timeout, ordered=ordered, max_in_flight=max_in_flight
         )

@@ -153,6 +153,7 @@ class ProviderSpec:
     prefetch: int = 0
     allow_background: bool = False
     memory_cap: int | None = None  # the profile's, for the OOM text
+    max_calls: int | None = None  # a worker retires after this many calls (None: never)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -246,6 +247,7 @@ class WorkerRecord:
         "retire_reason",
         "retired",
         "secret",
+        "served",
         "signals",
         "start_failed",
         "start_method",
@@ -285,6 +287,7 @@ class WorkerRecord:
         self.disconnected = False
         self.draining = False  # it exits once its calls end (a shrink): none is sent to it
         self.retired = False  # it was told to exit (Shutdown)
+        self.served = 0  # calls it settled whose body it may have started (max_calls)
         self.retire_reason = ""  # why, in words (logged at DEBUG when it is gone)
         self.escalated = False
         self.awaiting_fatal = False

@@ -119,6 +119,8 @@ class Settlement(CoreState):
         if call._group is not None:
             call._group._calls.discard(call)
         if w is not None and call in w.calls:
+            if body_started is not False:
+                w.served += 1  # (ProviderSpec.max_calls)
             if w.calls[0] is call:
                 w.calls.popleft()
                 w.head_since = now

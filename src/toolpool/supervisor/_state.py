@@ -141,6 +141,7 @@ class CoreConfig:
     has_reaper_cleanup: bool = True  # the reaper kills leftovers (False: nobody can)
     drain_grace: float = 30.0  # a removed provider's running calls' time to finish
     unkillable_after: float = 10.0  # seconds after SIGKILL: a tree still there is unkillable
+    max_calls_per_worker: int | None = None  # the default provider's ProviderSpec.max_calls
 
     def default_spec(self) -> ProviderSpec | None:
         if not self.tools_spec:
@@ -152,6 +153,7 @@ class CoreConfig:
             prefetch=self.prefetch,
             allow_background=self.allow_background,
             memory_cap=self.memory_cap,
+            max_calls=self.max_calls_per_worker,
         )
 
     heartbeat: float | None = None  # seconds between a worker's heartbeats (None: none sent)

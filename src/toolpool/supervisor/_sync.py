@@ -8,21 +8,43 @@ Built on the public API of :class:`Pool` and :class:`Call` only, through an anyi
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import logging
+import signal
+import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any, final
+from typing import Any, Protocol, TypeVar, final
 
-from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from .._interrupts import STOPPED_LINE, killing_line, say, stopping_line
 from ..core import PoolClosedError, validate_cause
 from ._calls import Call
-from ._map import MapIterator, SyncMapIterator, _Feed, drive_sync_map
+from ._map import MapIterator, SyncMapIterator, _Feed, drive_sync_map, thread_safe_caller
 from ._pool import Pool
+from ._records import CallState
 from ._results import Progress, Result, Statistics
 
-__all__ = ("SyncCall", "SyncPool")
+__all__ = ("Followed", "SyncCall", "SyncPool")
+
+_log = logging.getLogger("toolpool.supervisor")
+
+
+class Followed(Protocol):
+    """A future a :class:`SyncPool` completes when its call settles (in the loop's thread)."""
+
+    _call: Call
+
+    def done(self) -> bool: ...
+
+    def _settle(self, result: Result) -> None: ...
+
+    def _fail(self, exc: BaseException) -> None: ...
+
+
+F = TypeVar("F", bound=Followed)
 
 
 @final
@@ -82,9 +104,63 @@ class SyncCall(concurrent.futures.Future[Result]):
         self._call.cancel(cause, force=force)
         return not settled
 
+    def _settle(self, result: Result) -> None:
+        self.set_result(result)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.set_exception(exc)
+
     def __repr__(self) -> str:
         state = self.result().outcome.value if self.done() else "pending"
         return f"<toolpool.SyncCall {self.id} {self.tool!r} {state}>"
+
+
+class _InterruptedClose:
+    """Ctrl-C while a :class:`SyncPool` closes, in the main thread: the first says what the
+    close waits for, the next kill the calls at once; none raises in the middle of the
+    close (``SyncPool._close`` raises one KeyboardInterrupt once it is over)."""
+
+    def __init__(self, sync: SyncPool) -> None:
+        self._sync = sync
+        self.count = 0
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> _InterruptedClose:
+        if threading.current_thread() is threading.main_thread():
+            try:
+                if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                    self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+                    self._installed = True
+            except ValueError:  # (not the main interpreter)
+                pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        self.interrupted()
+
+    def interrupted(self) -> None:
+        self.count += 1
+        sync = self._sync
+        pool = sync._pool
+        if self.count == 1:
+            say(stopping_line(pool.cancel_grace, pool.term_grace, sync._waiting_for()))
+            return
+        portal = sync._portal
+        if portal is None:
+            return
+        calls = [c for c in list(pool._core.calls.values()) if c._result is None]
+        say(killing_line(len(calls)))
+        call_soon = sync._call_soon
+        if call_soon is not None:
+            try:
+                call_soon(sync._kill_all)  # (never blocks: this may run in a signal handler)
+            except RuntimeError:  # the loop stopped: nothing is left to kill
+                pass
 
 
 @final
@@ -105,8 +181,9 @@ class SyncPool:
         self._portal: BlockingPortal | None = None
         self._pool_cm: Any = None
         self._closed = False
-        self._following: dict[int, SyncCall] = {}  # calls not settled yet (the loop's)
+        self._following: dict[int, Followed] = {}  # futures of calls not settled (the loop's)
         self._maps: weakref.WeakSet[MapIterator] = weakref.WeakSet()  # (the loop's)
+        self._call_soon: Callable[[Callable[[], object]], object] | None = None
 
     def __enter__(self) -> SyncPool:
         if self._closed or self._portal is not None:
@@ -117,6 +194,7 @@ class SyncPool:
             # The pool's start and close must run in one task: wrap it as a context manager.
             self._pool_cm = self._portal.wrap_async_context_manager(self._pool)
             self._pool_cm.__enter__()
+            self._call_soon = self._portal.call(thread_safe_caller)
         except BaseException:
             self._portal_cm.__exit__(None, None, None)
             self._portal = None
@@ -130,24 +208,56 @@ class SyncPool:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self._close(interrupted=isinstance(exc, KeyboardInterrupt))
 
     def close(self) -> None:
         """As :meth:`toolpool.Pool.aclose`: every call settled, every process gone. Every
-        :class:`SyncCall` is done once this returns. Idempotent."""
+        :class:`SyncCall` is done once this returns. Idempotent.
+
+        Ctrl-C while it waits (in the main thread) escalates: the first says what the pool
+        waits for, the second kills the calls still running (SIGKILL of their workers'
+        trees); the close goes on until all is gone, then raises one KeyboardInterrupt."""
+        self._close(interrupted=False)
+
+    def _close(self, *, interrupted: bool) -> None:
+        """Close; ``interrupted``: Ctrl-C brought us here (say so; the next one kills)."""
         if self._portal is None:
             self._closed = True
             return
         portal = self._portal
-        try:
-            self._pool_cm.__exit__(None, None, None)
-        finally:
+        with _InterruptedClose(self) as interrupts:
+            if interrupted:
+                interrupts.interrupted()
             try:
-                portal.call(self._closed_down)  # settled now: none may wait on a stopped loop
+                self._pool_cm.__exit__(None, None, None)
             finally:
-                self._portal_cm.__exit__(None, None, None)
-                self._portal = None
-                self._closed = True
+                try:
+                    portal.call(self._closed_down)  # settled: none may wait on a stopped loop
+                finally:
+                    self._portal_cm.__exit__(None, None, None)
+                    self._portal = None
+                    self._closed = True
+        if interrupts.count:
+            say(STOPPED_LINE)
+            if not interrupted:  # (interrupted: the caller's KeyboardInterrupt goes on)
+                raise KeyboardInterrupt
+
+    def _waiting_for(self) -> str:
+        """What the close waits for, in a few words (read from any thread: a snapshot)."""
+        calls = list(self._pool._core.calls.values())
+        queued = sum(1 for c in calls if c._state is CallState.QUEUED)
+        running = len(calls) - queued
+        if not calls:
+            return "closing the pool (no call is running)"
+        what = "1 call" if len(calls) == 1 else f"{len(calls)} calls"
+        return f"closing the pool, waiting for {what} ({running} running, {queued} queued)"
+
+    def _kill_all(self) -> int:
+        """In the loop: a forced cancel of every call not settled; how many there were."""
+        calls = [c for c in list(self._pool._core.calls.values()) if isinstance(c, Call)]
+        for call in calls:
+            call.cancel(force=True)
+        return len(calls)
 
     def _running(self) -> BlockingPortal:
         if self._portal is None:
@@ -161,49 +271,42 @@ class SyncPool:
     ) -> SyncCall:
         """As :meth:`toolpool.Pool.submit`: returns at once, with the call's future."""
         portal = self._running()
-        _, call = portal.start_task(self._follow, portal, tool, args, timeout)
-        assert isinstance(call, SyncCall)
-        return call
+        return portal.call(self._start, tool, args, timeout, functools.partial(SyncCall, portal))
 
-    async def _follow(
+    def _start(
         self,
-        portal: BlockingPortal,
         tool: str,
         args: Mapping[str, Any] | None,
         timeout: float | None,
-        *,
-        task_status: TaskStatus[SyncCall],
-    ) -> None:
-        """In the loop: submit (its errors reach the caller), then complete the future once
-        the call settled."""
+        make: Callable[[Call], F],
+    ) -> F:
+        """In the loop: submit (its errors reach the caller) and follow the call with the
+        future ``make`` makes of it, completed once the call settles."""
         call = self._pool.submit(tool, args, timeout=timeout)
-        future = SyncCall(portal, call)
+        future = make(call)
         self._following[call.id] = future
-        task_status.started(future)
-        try:
-            await call.wait()
-        except PoolClosedError as exc:  # the close left it unsettled: its tree did not die
-            self._fail(call.id, exc)
-        finally:
-            if call.done():  # (else the portal is closing: _closed_down completes it)
-                self._deliver(call.id)
+        if call.done():
+            self._deliver(call)
+        else:
+            call._on_settled = self._deliver
+        return future
 
-    def _fail(self, call_id: int, exc: BaseException) -> None:
-        future = self._following.pop(call_id, None)
+    def _deliver(self, call: Call) -> None:
+        future = self._following.pop(call.id, None)
         if future is not None and not future.done():
-            future.set_exception(exc)
-
-    def _deliver(self, call_id: int) -> None:
-        future = self._following.pop(call_id, None)
-        if future is not None and not future.done():
-            future.set_result(future._call.result())
+            try:
+                future._settle(call.result())
+            except Exception:  # (called by the pool's pump: never let it break the pool)
+                _log.exception("could not complete the future of call %s", call.id)
 
     def _closed_down(self) -> None:
-        for call_id, future in list(self._following.items()):
-            if future._call.done():
-                self._deliver(call_id)
-            elif future._call._abandoned is not None:
-                self._fail(call_id, PoolClosedError(future._call._abandoned))
+        for future in list(self._following.values()):
+            call = future._call
+            if call.done():
+                self._deliver(call)
+            elif call._abandoned is not None:  # the close left it unsettled: its tree lives
+                del self._following[call.id]
+                future._fail(PoolClosedError(call._abandoned))
         for it in list(self._maps):  # a map still running ends, even if none takes from it
             if it._pulling:
                 it._fail(PoolClosedError("the pool closed while the map ran"))
@@ -212,7 +315,7 @@ class SyncPool:
     def map(
         self,
         tool: str,
-        args_iterable: Iterable[Mapping[str, Any] | None],
+        args_iterable: Iterable[Any],
         *,
         timeout: float | None = None,
         ordered: bool = False,
