@@ -45,14 +45,20 @@ async def draining() -> CallToolResult:
 
 @app.tool()
 async def slow(ctx: Context, seconds: float = 60.0, progress: bool = False) -> CallToolResult:
-    """Say the body started (progress) if asked, then sleep."""
+    """Say the body started (progress) if asked, then sleep; note a cancel in the ledger."""
     ledger = os.environ.get("TOOLPOOL_TEST_LEDGER")
     if ledger:
         with open(ledger, "a") as f:
             f.write(f"start {os.getpid()}\n")
     if progress:
         await ctx.report_progress(1, 2, "started")
-    await anyio.sleep(seconds)
+    try:
+        await anyio.sleep(seconds)
+    except anyio.get_cancelled_exc_class():
+        if ledger:
+            with open(ledger, "a") as f:
+                f.write(f"cancelled {os.getpid()}\n")
+        raise
     return _result("ok", "slept", body_started=True, value=seconds)
 
 

@@ -69,3 +69,23 @@ ops = Registry()
 def uptime() -> float:
     """Seconds since this worker's clock started (a second provider's tool)."""
     return time.monotonic()
+
+
+@registry.tool
+def stubborn_tree(id: str) -> str:
+    """Start a child that ignores SIGTERM, note both pids (``tree <id> <worker> <child>``),
+    then ignore the cancel signal: only the ladder's SIGKILL ends the tree."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)",
+        ]
+    )
+    _note(f"tree {id} {os.getpid()} {child.pid}")
+    _note(f"start {id} {os.getpid()}")
+    time.sleep(600)
+    return id

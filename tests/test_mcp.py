@@ -557,6 +557,74 @@ async def test_http_2026_wire_calls_and_a_closed_stream_is_parent_and_timeout() 
     assert stats.outcomes.get("timeout") == 1
 
 
+async def test_http_2026_wire_a_posted_cancel_is_user_and_answered_once_settled() -> None:
+    """On the 2026-07-28 wire the face honours ``notifications/cancelled`` for a call in
+    flight on it (cause user, the call's request answered with the settled result); a
+    cancel naming no call here, or from a disallowed Host, is not honoured."""
+    modern = {
+        **_ACCEPT,
+        "content-type": "application/json",
+        "mcp-protocol-version": "2026-07-28",
+    }
+    meta = {
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientInfo": {"name": "test", "version": "1"},
+        "io.modelcontextprotocol/clientCapabilities": {},
+    }
+
+    def cancel(request_id: str) -> bytes:
+        params = {"requestId": request_id, "reason": "test", "_meta": meta}
+        message = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": params}
+        return json.dumps(message).encode()
+
+    cancel_headers = {**modern, "mcp-method": "notifications/cancelled"}
+    request = {
+        "jsonrpc": "2.0",
+        "id": "call-1",
+        "method": "tools/call",
+        "params": {
+            "name": "nap",
+            "arguments": {"seconds": 60},
+            "_meta": {**meta, "progressToken": "t"},
+        },
+    }
+    async with _http() as h, httpx2.AsyncClient(timeout=30) as client:
+        headers = {**modern, "mcp-method": "tools/call", "mcp-name": "nap"}
+        async with client.stream("POST", h.url, json=request, headers=headers) as response:
+            assert response.status_code == 200
+            lines = response.aiter_lines()
+            async for line in lines:
+                if line.startswith("data:") and "notifications/progress" in line:
+                    break  # (the body runs)
+            unknown = await client.post(h.url, content=cancel("call-2"), headers=cancel_headers)
+            assert unknown.status_code == 202
+            assert "toolpool-cancel" not in unknown.headers
+            rebound = await client.post(
+                h.url, content=cancel("call-1"), headers={**cancel_headers, "host": "evil.test"}
+            )
+            assert rebound.status_code == 421
+            assert "toolpool-cancel" not in rebound.headers
+            assert h.server.in_flight == 1
+            accepted = await client.post(h.url, content=cancel("call-1"), headers=cancel_headers)
+            assert accepted.status_code == 202
+            assert accepted.headers["toolpool-cancel"] == "accepted"
+            answer = None
+            async for line in lines:
+                if line.startswith("data:") and '"call-1"' in line:
+                    answer = json.loads(line[5:])
+                    break
+        assert answer is not None
+        facts = answer["result"]["structuredContent"]
+        assert facts["outcome"] == "aborted"
+        assert facts["cause"] == "user"
+        assert facts["body_started"] is True
+        with anyio.fail_after(30):
+            await h.server.wait_idle()
+        stats = h.server.statistics()
+        assert stats.cancelled.get("user") == 1
+        assert stats.undelivered == 0
+
+
 def test_http_command_drains_on_sigterm_as_disposed(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [*raw.server_command(), "--http", "127.0.0.1:0"],

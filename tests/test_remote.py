@@ -29,12 +29,18 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture
-def server() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def ledger(tmp_path: Path) -> Path:
+    return tmp_path / "ledger"
+
+
+@pytest.fixture
+def server(ledger: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "mcp_plain_server.py"), "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        env={**os.environ, "TOOLPOOL_TEST_LEDGER": str(ledger)},
     )
     try:
         assert proc.stdout is not None
@@ -135,3 +141,27 @@ async def test_cancel_travels_as_the_mcp_cancel(
     if result.outcome is Outcome.ERROR:
         assert result.error_name == "CancelUnconfirmed"
         assert result.body_started is True
+
+
+async def test_a_cancel_before_the_answer_starts_closes_the_stream_at_once(
+    server: tuple[str, subprocess.Popen[bytes]], ledger: Path
+) -> None:
+    """A server that sends nothing yet (the SDK commits its event stream only with the first
+    notification, or after 15 s) and does not honour the posted cancel: the client closes
+    the request's stream at once, not once the answer starts (it used to wait for the
+    response headers, so the server noticed the cancel up to 15 s late)."""
+    url, _ = server
+    async with toolpool.connect(url) as client:
+        call = client.submit("slow", {"seconds": 60})
+        with anyio.fail_after(30):
+            while "start" not in (ledger.read_text() if ledger.exists() else ""):
+                await anyio.sleep(0.01)  # (another process's file: polled)
+        call.cancel()
+        # The server's handler is cancelled well before its 15 s deferral runs out.
+        with anyio.fail_after(10):
+            while "cancelled" not in ledger.read_text():
+                await anyio.sleep(0.01)
+        result = await call
+        assert result.outcome is Outcome.ERROR
+        assert result.error_name == "CancelUnconfirmed"
+        assert result.body_started is None

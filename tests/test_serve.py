@@ -3,7 +3,9 @@ with real processes (docs/service.md)."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -25,7 +27,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_support import ServeProcess, serve_env
 from toolpool import Outcome, connect
 from toolpool.remote import ServerUnavailable
-from toolpool.serve import ProviderConfig, ServiceOptions, load_config, parse_tools
+from toolpool.serve import (
+    ProviderConfig,
+    ServiceOptions,
+    configure_logging,
+    load_config,
+    parse_tools,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,6 +55,19 @@ def start(services: list[ServeProcess], control: str, *args: str, **kw: object) 
     s = ServeProcess(["--http", "127.0.0.1:0", *args], control=control, **kw)  # type: ignore[arg-type]
     services.append(s)
     return s
+
+
+def start_tools(
+    services: list[ServeProcess], control: str, ledger: Path, *args: str
+) -> ServeProcess:
+    """A service of ``serve_tools:registry`` whose tools note their calls in ``ledger``."""
+    return start(
+        services,
+        control,
+        "serve_tools:registry",
+        *args,
+        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
+    )
 
 
 def toolpool(*args: str, control: str) -> subprocess.CompletedProcess[str]:
@@ -435,10 +456,10 @@ def test_sigterm_drains_running_calls_per_the_graces(
     tmp_path: Path, control: str, services: list[ServeProcess]
 ) -> None:
     ledger = tmp_path / "ledger"
-    s = start(
+    s = start_tools(
         services,
         control,
-        "serve_tools:registry",
+        ledger,
         "--workers",
         "3",
         "--drain-grace",
@@ -447,7 +468,6 @@ def test_sigterm_drains_running_calls_per_the_graces(
         "1",
         "--term-grace",
         "1",
-        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
     )
     s.wait_serving()
     refused: list[Any] = []
@@ -493,16 +513,7 @@ def test_a_second_sigterm_forces(
     tmp_path: Path, control: str, services: list[ServeProcess]
 ) -> None:
     ledger = tmp_path / "ledger"
-    s = start(
-        services,
-        control,
-        "serve_tools:registry",
-        "--workers",
-        "1",
-        "--drain-grace",
-        "60",
-        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
-    )
+    s = start_tools(services, control, ledger, "--workers", "1", "--drain-grace", "60")
     s.wait_serving()
 
     def during(calls: list[Any]) -> None:
@@ -526,14 +537,7 @@ def test_sighup_reload_under_load_loses_nothing_and_runs_nothing_twice(
     tmp_path: Path, control: str, services: list[ServeProcess]
 ) -> None:
     ledger = tmp_path / "ledger"
-    s = start(
-        services,
-        control,
-        "serve_tools:registry",
-        "--workers",
-        "2",
-        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
-    )
+    s = start_tools(services, control, ledger, "--workers", "2")
     s.wait_serving()
     ids = [f"c{i}" for i in range(150)]
 
@@ -608,10 +612,10 @@ def test_drain_over_the_control_socket_with_a_timeout_of_its_own(
     is 60 s), is cancelled at once and killed by the ladder; the command returns once the
     service stopped."""
     ledger = tmp_path / "ledger"
-    s = start(
+    s = start_tools(
         services,
         control,
-        "serve_tools:registry",
+        ledger,
         "--autoscale",
         "1:2",
         "--drain-grace",
@@ -620,7 +624,6 @@ def test_drain_over_the_control_socket_with_a_timeout_of_its_own(
         "1",
         "--term-grace",
         "1",
-        env=serve_env(TOOLPOOL_TEST_LEDGER=str(ledger)),
     )
     s.wait_serving()
     status = json.loads(toolpool("status", "--json", control=control).stdout)
@@ -643,3 +646,82 @@ def test_drain_over_the_control_socket_with_a_timeout_of_its_own(
     assert s.wait(30) == 0
     assert s.alive_descendants() == []
     assert s.wait_event("draining")["drain_grace_s"] == 0
+
+
+# ---------------------------------------------------------------------------- remote cancel
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_remote_cancel_reports_how_the_call_ended(
+    tmp_path: Path, control: str, services: list[ServeProcess]
+) -> None:
+    """``client.cancel(call)`` travels as ``notifications/cancelled``; the face cancels with
+    cause ``user`` and answers once the call settled: a cooperative tool is ``aborted``, one
+    that ignores its signal (and a child that ignores SIGTERM) is ``killed``, reported only
+    once its whole tree is gone."""
+    ledger = tmp_path / "ledger"
+    s = start_tools(
+        services, control, ledger, "--workers", "2", "--cancel-grace", "0.5", "--term-grace", "0.5"
+    )
+    s.wait_serving()
+    gone_at_answer: list[bool] = []
+
+    async def main() -> tuple[Any, Any]:
+        async with connect(s.url("/mcp")) as client:
+            co = client.submit("cooperative", {"id": "co"})
+            st = client.submit("stubborn_tree", {"id": "st"})
+            await anyio.to_thread.run_sync(_wait_started, ledger, {"co", "st"})
+            aborted = await client.cancel(co)
+            killed = await client.cancel(st)
+            _, _, worker, child = next(line for line in _ledger(ledger) if line[0] == "tree")
+            gone_at_answer.extend([_gone(int(worker)), _gone(int(child))])
+            return aborted, killed
+
+    aborted, killed = anyio.run(main)
+    assert aborted.outcome is Outcome.ABORTED, aborted
+    assert aborted.cause == {"kind": "user"}
+    assert aborted.body_started is True
+    assert killed.outcome is Outcome.KILLED, killed
+    assert killed.cause == {"kind": "user"}
+    assert killed.body_started is True
+    assert killed.rung.value in ("sigterm", "sigkill")  # (the ladder, past the cancel)
+    assert gone_at_answer == [True, True]  # the worker and its child, before the answer
+    settled = {line["call_id"]: line for line in s.lines if "outcome" in line}
+    assert sorted(line["outcome"] for line in settled.values()) == ["aborted", "killed"]
+    assert all(line["delivered"] for line in settled.values())
+    stop_and_check(s)
+
+
+@pytest.mark.parametrize("level", [logging.INFO, logging.DEBUG])
+def test_a_call_answered_ok_is_logged_only_at_debug(level: int) -> None:
+    """The face's line of a call that settled ``ok`` and was answered is not a lifecycle
+    fact: at info it is not written; other outcomes and undelivered results are."""
+    stream = io.StringIO()
+    root = logging.getLogger("toolpool")
+    saved = root.level, root.propagate
+    handler = configure_logging("json", level=level, stream=stream)
+    face = logging.getLogger("toolpool.mcp")
+    try:
+        for outcome, delivered in [("ok", True), ("aborted", True), ("ok", False)]:
+            face.log(
+                logging.INFO if delivered else logging.WARNING,
+                "mcp call settled %s",
+                outcome,
+                extra={"outcome": outcome, "delivered": delivered},
+            )
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
+    written = [
+        (line["outcome"], line["delivered"])
+        for line in map(json.loads, stream.getvalue().splitlines())
+    ]
+    expected = [("aborted", True), ("ok", False)]
+    assert written == ([("ok", True), *expected] if level == logging.DEBUG else expected)

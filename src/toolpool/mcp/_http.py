@@ -17,6 +17,13 @@ on the 2025 wire the SDK does not tell the handler, so the guard notices the dis
 SSE response listens for it) and sets an event the handler waits on beside the call
 (``DISCONNECTED_KEY`` in the request's scope): the call is cancelled with cause ``parent``.
 On the 2026-07-28 wire the SDK cancels the handler itself, with the same result.
+
+On the 2026-07-28 wire the SDK acknowledges a posted ``notifications/cancelled`` and drops it
+(that wire cancels by closing the stream, which tells the client nothing). The guard honours
+one naming a ``tools/call`` in flight on this server (exactly one with that request id): the
+call is cancelled with cause ``user`` and its request, still open, is answered once the call
+settled; the ``202`` then carries ``toolpool-cancel: accepted``, which tells the client to
+wait for that answer (``toolpool.connect`` does; docs/mcp.md).
 """
 
 from __future__ import annotations
@@ -35,8 +42,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
-from mcp.server.transport_security import TransportSecuritySettings
+from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from starlette.applications import Starlette
+from starlette.requests import Request
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -53,6 +62,9 @@ _log = logging.getLogger("toolpool.mcp")
 
 LOOPBACK_HOSTS: Final = ("127.0.0.1:*", "localhost:*", "[::1]:*", "127.0.0.1", "localhost", "[::1]")
 LOOPBACK_ORIGINS: Final = ("http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*")
+#: The response header by which the face says it honoured a 2026-07-28
+#: ``notifications/cancelled``: the call's request will be answered once it settled.
+CANCEL_HEADER: Final = b"toolpool-cancel"
 #: A token shorter than this is refused: it could be guessed.
 MIN_TOKEN_LENGTH: Final = 16
 
@@ -103,8 +115,17 @@ def _json_error(
 class _Guard:
     """The bearer token check, and the disconnect watch of a request (module docstring)."""
 
-    def __init__(self, app: ASGIApp, token: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        token: str | None,
+        max_body_bytes: int,
+        server: McpServer,
+        security: TransportSecuritySettings,
+    ) -> None:
         self.app = app
+        self.server = server
+        self.security = TransportSecurityMiddleware(security)
         self.token = token.encode() if token is not None else None
         self.max_body_bytes = max_body_bytes
 
@@ -142,6 +163,16 @@ class _Guard:
                 ):
                     await send(reply)
                 return
+        if await self._honoured_cancel(scope, body):
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 202,
+                    "headers": [(b"content-length", b"0"), (CANCEL_HEADER, b"accepted")],
+                }
+            )
+            await send({"type": "http.response.body", "body": b""})
+            return
         replay: list[Message] = [{"type": "http.request", "body": bytes(body), "more_body": False}]
         gone = anyio.Event()
         answered = False
@@ -159,6 +190,33 @@ class _Guard:
             await send(message)
 
         await self.app({**scope, DISCONNECTED_KEY: gone}, watch_receive, watch_send)
+
+    async def _honoured_cancel(self, scope: Scope, body: bytearray) -> bool:
+        """A 2026-07-28 ``notifications/cancelled`` for a call in flight here: cancelled
+        with cause ``user`` (its request answered once the call settled). Anything else,
+        a bad ``Host`` or ``Origin`` included, goes on to the SDK (which refuses it, or
+        acknowledges such a notification and drops it)."""
+        headers = dict(scope["headers"])
+        if headers.get(b"mcp-method") != b"notifications/cancelled" or (
+            headers.get(b"mcp-protocol-version", b"").decode(errors="replace")
+            not in MODERN_PROTOCOL_VERSIONS
+        ):
+            return False
+        if await self.security.validate_request(Request(scope), is_post=True) is not None:
+            return False
+        try:
+            message = json.loads(body)
+        except (ValueError, RecursionError):
+            return False
+        params = message.get("params") if isinstance(message, dict) else None
+        if (
+            message.get("method") != "notifications/cancelled"
+            or "id" in message
+            or not isinstance(params, dict)
+            or not isinstance(params.get("requestId"), str | int)
+        ):
+            return False
+        return self.server.cancel_request(params["requestId"])
 
     def _authorized(self, scope: Scope) -> bool:
         assert self.token is not None
@@ -209,7 +267,12 @@ def build_app(
 
     return Starlette(
         routes=[
-            Route(path, endpoint=_Guard(StreamableHTTPASGIApp(manager), token, max_body_bytes))
+            Route(
+                path,
+                endpoint=_Guard(
+                    StreamableHTTPASGIApp(manager), token, max_body_bytes, server, security
+                ),
+            )
         ],
         lifespan=lifespan,
     )

@@ -221,6 +221,8 @@ class McpServer:
         self._tools: dict[str, dict[str, Any]] = {}
         self._listing = types.ListToolsResult(tools=[])
         self._tracked: dict[Call, _Tracked] = {}
+        # Calls of the 2026-07-28 wire by JSON-RPC request id (`cancel_request`).
+        self._by_request: dict[Any, list[_Tracked]] = {}
         self._handlers = 0
         self._idle: anyio.Event | None = None
         # Over a stream transport: requests whose handler returned, answer not yet written.
@@ -242,6 +244,9 @@ class McpServer:
             instructions="Tools run by toolpool in isolated worker processes. Each tool's "
             "description says where it runs; a cancelled call is stopped, and its process "
             "tree is gone before the cancellation is confirmed.",
+            # The SDK checks a 2026-07-28 call's Mcp-Param headers against the tool's schema:
+            # given here, it does not run a whole tools/list per call to find it.
+            get_tool_input_schema=self._input_schema,
         )
         self._server.add_request_handler(
             "tools/list", types.PaginatedRequestParams, self._list_tools
@@ -324,6 +329,17 @@ class McpServer:
         if not self._tracked and not self._handlers and self._idle is not None:
             self._idle.set()
             self._idle = None
+
+    def cancel_request(self, request_id: object) -> bool:
+        """Cancel, with cause ``user``, the 2026-07-28 ``tools/call`` whose request id is
+        ``request_id`` (the HTTP face's answer to a ``notifications/cancelled`` it honours,
+        docs/mcp.md): its request is then answered once the call settled. False (nothing
+        done) unless exactly one such request is in flight here."""
+        found = self._by_request.get(request_id)
+        if found is None or len(found) != 1:
+            return False
+        self._cancel(found[0], _USER)
+        return True
 
     def _cancel(self, tracked: _Tracked, cause: CancelCause, *, force: bool = False) -> None:
         call = tracked.call
@@ -520,6 +536,12 @@ class McpServer:
     ) -> types.ListToolsResult:
         return self._listing
 
+    def _input_schema(self, tool: str) -> Mapping[str, Any] | None:
+        """The tool's ``inputSchema`` as ``tools/list`` shows it (None: not listed)."""
+        entry = self._tools.get(tool)
+        schema = entry.get("inputSchema") if entry is not None else None
+        return schema if isinstance(schema, Mapping) else None
+
     def _timeout_for(self, tool: str) -> float | None:
         """The deadline for a call: the provider's own, else the server's (None: the pool
         applies the provider's)."""
@@ -612,6 +634,11 @@ class McpServer:
         call = self._submit(params.name, params.arguments)
         tracked = self._track(call, params.name)
         self._handlers += 1
+        request_id = ctx.request_id
+        if request_id is not None and ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:
+            self._by_request.setdefault(request_id, []).append(tracked)
+        else:
+            request_id = None
         try:
             result = await self._settled(ctx, tracked)
             self._will_answer(ctx)
@@ -626,6 +653,11 @@ class McpServer:
             self._cancel(tracked, _USER if _peer_cancelled(ctx) else _PARENT)
             raise
         finally:
+            if request_id is not None:
+                same = self._by_request[request_id]
+                same.remove(tracked)
+                if not same:
+                    del self._by_request[request_id]
             tracked.answered.set()
             self._handlers -= 1
             self._maybe_idle()

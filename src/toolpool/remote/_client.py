@@ -14,19 +14,22 @@ What the client can and cannot know, said the same way the pool says it:
 - **Lost** (the connection dropped after the request was sent, a gateway answered 502/504):
   the call settles ``worker_lost`` with ``body_started`` None, unless the server had said the
   body started (a progress notification comes only from a running body): then True.
-- **Cancelled** (:meth:`RemoteCall.cancel`): the MCP cancel. On the 2026-07-28 HTTP wire a
-  request is cancelled by closing its response stream (toolpool's face then cancels the call
-  and tracks it until its tree is gone); the client also sends ``notifications/cancelled``
-  for servers that read it. A cancelled request is not answered (the specification says so),
-  so the client cannot know how the call ended: it settles ``error`` named
-  ``CancelUnconfirmed``, ``body_started`` True if the server had said the body runs, else
-  None (an answer that arrived before the stream closed is used instead).
+- **Cancelled** (:meth:`RemoteCall.cancel`): the client posts ``notifications/cancelled``
+  for the call. toolpool's face honours it when the call is in flight on that node: it
+  cancels the call with cause ``user`` and answers the request once the call settled, so
+  the result is the truthful one (``aborted``, ``killed`` once its tree is gone...). Where
+  the cancel is not honoured (another server, another node behind a load balancer, a call
+  that has not reached the face yet) the client closes the call's response stream, the
+  2026-07-28 wire's cancel (the face then cancels with cause ``parent``); that request is
+  not answered, so the call settles ``error`` named ``CancelUnconfirmed``, ``body_started``
+  True if the server had said the body runs, else None.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator, Generator, Iterable, Mapping
 from types import TracebackType
@@ -35,7 +38,7 @@ from typing import Any, Final, final
 import anyio
 import anyio.abc
 
-from ..core import Outcome, ToolpoolError, UnknownToolError
+from ..core import Outcome, ToolpoolError, UnknownToolError, validate_cause
 from ..supervisor import Result, Rung, Timeline
 
 __all__ = (
@@ -52,6 +55,8 @@ PROTOCOL_VERSION: Final = "2026-07-28"
 _ACCEPT: Final = "application/json, text/event-stream"
 _LOST_STATUSES: Final = frozenset({502, 504})
 _UNAVAILABLE_STATUSES: Final = frozenset({503})
+#: The face's header saying it honoured a ``notifications/cancelled`` (``mcp/_http.py``).
+_CANCEL_HEADER: Final = "toolpool-cancel"
 
 
 class ServerUnavailable(ToolpoolError):
@@ -79,8 +84,11 @@ class RemoteCall:
         self._result: Result | None = None
         self._error: BaseException | None = None
         self._cancel_reason: str | None = None
-        self._cancel_sent = anyio.Event()
+        self._reading: anyio.CancelScope | None = None
+        """While the request is in flight: the scope whose cancel closes its stream."""
         self._submitted = time.monotonic()
+        self._wire_id = f"{client._prefix}-{call_id}"
+        """Its JSON-RPC request id: unique to its client (a cancel names it)."""
 
     def done(self) -> bool:
         """Whether the call settled (or failed to be sent)."""
@@ -111,7 +119,8 @@ class RemoteCall:
         """Send the MCP cancel for this call (once; later calls do nothing)."""
         if self._cancel_reason is None and not self.done():
             self._cancel_reason = reason
-            self._cancel_sent.set()
+            if self._reading is not None:
+                self.client._start_cancel(self)
 
     def __repr__(self) -> str:
         state = "settled" if self.done() else "running"
@@ -145,6 +154,8 @@ class Client:
         self._max = max_connections
         self._connect_timeout = connect_timeout
         self._ids = itertools.count(1)
+        # Request ids on the wire are unique to this client (a cancel names one).
+        self._prefix = secrets.token_hex(8)
         self._http: Any = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._calls: set[RemoteCall] = set()
@@ -241,7 +252,7 @@ class Client:
         return headers
 
     @staticmethod
-    def _body(request_id: int | None, method: str, params: dict[str, Any]) -> bytes:
+    def _body(request_id: int | str | None, method: str, params: dict[str, Any]) -> bytes:
         params = {
             **params,
             "_meta": {
@@ -293,78 +304,94 @@ class Client:
     async def _send(self, call: RemoteCall) -> Result:
         import httpx2
 
-        token = f"toolpool-{call.id}"
         params = {
             "name": call.tool,
             "arguments": call.args,
-            "_meta": {"progressToken": token},
+            "_meta": {"progressToken": f"toolpool-{call.id}"},
         }
-        body = self._body(call.id, "tools/call", params)
+        body = self._body(call._wire_id, "tools/call", params)
         request = self._http.build_request(
             "POST", self.url, content=body, headers=self._headers("tools/call", call.tool)
         )
-        sent = False
-        try:
-            response = await self._http.send(request, stream=True)
-        except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
-            raise ServerUnavailable(f"{self.url}: {exc}") from exc
-        except httpx2.TransportError as exc:
-            return self._lost(call, f"the connection to {self.url} was lost: {exc}")
-        sent = True
-        try:
-            status = response.status_code
-            if status in _UNAVAILABLE_STATUSES:
-                raise ServerUnavailable(f"{self.url}: HTTP {status} (the call was not sent)")
-            if status in _LOST_STATUSES:
-                return self._lost(
-                    call, f"{self.url}: HTTP {status} from a gateway: the server went away"
-                )
-            if status >= 400:
-                text = (await response.aread()).decode(errors="replace")[:500]
-                raise RemoteError(f"{self.url}: HTTP {status}: {text}")
 
-            def on_message(message: Mapping[str, Any]) -> None:
-                if message.get("method") == "notifications/progress":
-                    call.body_started = True
+        def on_message(message: Mapping[str, Any]) -> None:
+            if message.get("method") == "notifications/progress":
+                call.body_started = True
 
-            message = None
-            async with anyio.create_task_group() as tg:
-                waiting = anyio.CancelScope()
-                tg.start_soon(self._cancel_when_asked, call, waiting)
+        message = None
+        status = 0
+        text = ""
+        failure: BaseException | None = None
+        # A cancel may come before the answer starts (the face commits its stream only with
+        # the first progress, or after 15 s): from here on it is sent at once.
+        call._reading = reading = anyio.CancelScope()
+        if call._cancel_reason is not None:
+            self._start_cancel(call)
+        try:
+            with reading:
+                response = await self._http.send(request, stream=True)
                 try:
-                    with waiting:
-                        message = await _answer(response, call.id, on_message)
-                except httpx2.TransportError as exc:
-                    return self._lost(call, f"the connection to {self.url} was lost: {exc}")
+                    status = response.status_code
+                    if status >= 400 and status not in _LOST_STATUSES:
+                        text = (await response.aread()).decode(errors="replace")[:500]
+                    elif status < 400:
+                        message = await _answer(response, call._wire_id, on_message)
                 finally:
-                    tg.cancel_scope.cancel()
+                    with anyio.CancelScope(shield=True):
+                        await response.aclose()
+        except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
+            failure = exc
+        except httpx2.TransportError as exc:
+            text = str(exc)
+            status = -1
         finally:
-            await response.aclose()
+            call._reading = None
+        if failure is not None:
+            raise ServerUnavailable(f"{self.url}: {failure}") from failure
+        if status == -1:
+            return self._lost(call, f"the connection to {self.url} was lost: {text}")
+        if status in _UNAVAILABLE_STATUSES:
+            raise ServerUnavailable(f"{self.url}: HTTP {status} (the call was not sent)")
+        if status in _LOST_STATUSES:
+            return self._lost(
+                call, f"{self.url}: HTTP {status} from a gateway: the server went away"
+            )
+        if status >= 400:
+            raise RemoteError(f"{self.url}: HTTP {status}: {text}")
         if message is None:
             if call._cancel_reason is not None:
                 return self._unconfirmed(call)
             return self._lost(call, f"{self.url} closed the call's stream without an answer")
-        assert sent
         return self._from_message(call, message)
 
-    async def _cancel_when_asked(self, call: RemoteCall, waiting: anyio.CancelScope) -> None:
-        """Once asked: send ``notifications/cancelled``, then close the call's response stream
-        (the 2026-07-28 HTTP spelling of the cancel)."""
+    def _start_cancel(self, call: RemoteCall) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(self._send_cancel, call, call._reading)
+
+    async def _send_cancel(self, call: RemoteCall, reading: anyio.CancelScope | None) -> None:
+        """Send ``notifications/cancelled`` for the call. A toolpool face that honours it
+        (header ``toolpool-cancel: accepted``) cancels the call with cause ``user`` and
+        answers its request once the call settled: that answer is awaited. Otherwise
+        (another server; another node behind a load balancer; a call not there yet) the
+        call's response stream is closed, the 2026-07-28 wire's cancel."""
         import httpx2
 
-        await call._cancel_sent.wait()
         body = self._body(
             None,
             "notifications/cancelled",
-            {"requestId": call.id, "reason": call._cancel_reason},
+            {"requestId": call._wire_id, "reason": call._cancel_reason},
         )
         try:
-            await self._http.post(
+            answer = await self._http.post(
                 self.url, content=body, headers=self._headers("notifications/cancelled", None)
             )
         except httpx2.TransportError:
             pass  # (closing the stream below is the cancel that counts)
-        waiting.cancel()
+        else:
+            if answer.status_code == 202 and answer.headers.get(_CANCEL_HEADER) == "accepted":
+                return
+        if reading is not None:
+            reading.cancel()
 
     def _from_message(self, call: RemoteCall, message: Mapping[str, Any]) -> Result:
         if "error" in message:
@@ -392,6 +419,12 @@ class Client:
             rung = Rung(facts.get("rung") or "none")
         except ValueError:
             rung = Rung.NONE
+        cause = None
+        if isinstance(facts.get("cause"), str):
+            try:
+                cause = validate_cause({"kind": facts["cause"]}, allow_runtime=True)
+            except ValueError:
+                cause = None  # (a kind this client does not know: not invented)
         error = None if outcome is Outcome.OK else (facts.get("error") or " ".join(texts) or None)
         value = facts.get("value") if outcome is Outcome.OK else None
         if outcome is Outcome.OK and "value" not in facts and texts:
@@ -404,6 +437,7 @@ class Client:
             error_name=facts.get("error_name"),
             body_started=started if isinstance(started, bool) else None,
             rung=rung,
+            cause=cause,
         )
 
     def _lost(self, call: RemoteCall, why: str) -> Result:
@@ -465,7 +499,9 @@ def _result_or_raise(message: Mapping[str, Any], url: str) -> Any:
     return message.get("result", {})
 
 
-async def _answer(response: Any, request_id: int, on_message: Any) -> Mapping[str, Any] | None:
+async def _answer(
+    response: Any, request_id: int | str, on_message: Any
+) -> Mapping[str, Any] | None:
     """The JSON-RPC answer to ``request_id`` in ``response`` (JSON, or an event stream whose
     other messages go to ``on_message``); None if the stream ended without one."""
     kind = response.headers.get("content-type", "").split(";")[0].strip()
