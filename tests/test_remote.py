@@ -54,6 +54,13 @@ def server(ledger: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
         proc.stdout.close()
 
 
+async def _handler_started(ledger: Path) -> None:
+    """Until the server's ``slow`` handler noted its start (another process's file: polled)."""
+    with anyio.fail_after(30):
+        while "start" not in (ledger.read_text() if ledger.exists() else ""):
+            await anyio.sleep(0.01)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,7 +105,7 @@ async def test_never_sent_raises_server_unavailable() -> None:
 
 @pytest.mark.parametrize("progress", [False, True])
 async def test_server_killed_mid_call_is_worker_lost(
-    server: tuple[str, subprocess.Popen[bytes]], progress: bool
+    server: tuple[str, subprocess.Popen[bytes]], ledger: Path, progress: bool
 ) -> None:
     """The node dies with the call in flight: ``worker_lost``, ``body_started`` None unless
     the server had said the body runs (a progress notification)."""
@@ -110,7 +117,7 @@ async def test_server_killed_mid_call_is_worker_lost(
             while call.body_started is None and not call.done():
                 await anyio.sleep(0.01)
         else:
-            await anyio.sleep(0.3)  # (the request is on its way; nothing can tell more)
+            await _handler_started(ledger)  # (it runs, and said nothing yet)
         os.killpg(proc.pid, signal.SIGKILL)
         result = await call
     assert result.outcome is Outcome.WORKER_LOST
@@ -153,9 +160,7 @@ async def test_a_cancel_before_the_answer_starts_closes_the_stream_at_once(
     url, _ = server
     async with toolpool.connect(url) as client:
         call = client.submit("slow", {"seconds": 60})
-        with anyio.fail_after(30):
-            while "start" not in (ledger.read_text() if ledger.exists() else ""):
-                await anyio.sleep(0.01)  # (another process's file: polled)
+        await _handler_started(ledger)
         call.cancel()
         # The server's handler is cancelled well before its 15 s deferral runs out.
         with anyio.fail_after(10):
