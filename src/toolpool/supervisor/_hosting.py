@@ -62,7 +62,7 @@ __all__ = (
 
 #: Calls a busy worker may hold queued (``Pool(prefetch=None)``), but see there. 16 (with 16
 #: results held back and 32 ledger slots of 32 KiB) took no-op throughput from 19.5k to 23k
-#: calls/s against prefetch 8 (docs/performance.md, "What bought what").
+#: calls/s against prefetch 8 (docs/performance.md, "What each change bought", aaf8352).
 DEFAULT_PREFETCH: Final = 16
 
 
