@@ -19,7 +19,8 @@ import anyio
 from .core import Graces
 
 if TYPE_CHECKING:
-    from .supervisor import Call, Result
+    from .supervisor._calls import Call
+    from .supervisor._results import Result
 
 __all__ = ("EXIT_INTERRUPTED", "Interrupts", "killing_line", "say", "stopping_line")
 
