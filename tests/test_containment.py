@@ -25,7 +25,7 @@ import pytest
 import toolpool
 from toolpool.sandbox import Profile, parse_duration, parse_size
 from toolpool.supervisor._containment import warn_inactive_layers
-from toolpool.testing.hostile import THREATS, run_threat
+from toolpool.testing.hostile import THREATS, run_threat, shared_tmp
 
 HOSTILE = "toolpool.testing.hostile:registry"
 EXAMPLES = "toolpool.testing.examples:registry"
@@ -758,7 +758,7 @@ def test_without_privilege_the_view_comes_from_a_user_namespace_or_is_reported_m
 
     if mode == "unprivileged" and not IS_ROOT:
         pytest.skip("the probe drops from root to nobody")
-    base = Path(tempfile.mkdtemp(prefix="toolpool-test-ro-"))
+    base = Path(tempfile.mkdtemp(prefix="toolpool-test-ro-", dir=shared_tmp()))
     try:
         base.chmod(0o755)
         scratch, target = base / "scratch", base / "target"

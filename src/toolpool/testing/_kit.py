@@ -233,9 +233,35 @@ def _alive(pid: int | None) -> bool:
         return False
 
 
+def _searchable_by_all(path: str) -> bool:
+    """Every directory from the root to ``path`` lets any user through (others' ``x``)."""
+    path = os.path.abspath(path)
+    while True:
+        try:
+            if not os.stat(path).st_mode & 0o001:
+                return False
+        except OSError:
+            return False
+        parent = os.path.dirname(path)
+        if parent == path:
+            return True
+        path = parent
+
+
+def shared_tmp() -> str:
+    """A temporary directory every user can reach: the usual one, or where it is private
+    (``/tmp`` is 0700 on some machines) ``/var/tmp`` or ``/dev/shm``. The kit's targets
+    outside the pool live there, so that what keeps a tool from them is the layer under test,
+    not a directory the tool's own uid could never enter."""
+    for place in (tempfile.gettempdir(), "/var/tmp", "/dev/shm"):
+        if os.path.isdir(place) and _searchable_by_all(place):
+            return place
+    return tempfile.gettempdir()
+
+
 def _outside_file() -> tuple[str, str]:
     """A directory outside every pool and a world-writable file in it (a hard link's target)."""
-    base = tempfile.mkdtemp(prefix="toolpool-kit-")
+    base = tempfile.mkdtemp(prefix="toolpool-kit-", dir=shared_tmp())
     os.chmod(base, 0o755)
     path = os.path.join(base, "keep")
     with open(path, "w") as f:
@@ -400,7 +426,7 @@ async def _metadata_outside(pool: Any, threat: Threat, marker: str) -> Observed:
     """A tool tries to change a world-writable directory and file outside its scratch
     directory: their content, their names, their metadata. The disk is compared before and
     after, not only the tool's word."""
-    base = tempfile.mkdtemp(prefix="toolpool-kit-")
+    base = tempfile.mkdtemp(prefix="toolpool-kit-", dir=shared_tmp())
     try:
         directory = _target(base)
         before = _disk_state(directory)

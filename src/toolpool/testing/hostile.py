@@ -445,3 +445,4 @@ from ._kit import _wait_pid_exit as _wait_pid_exit  # noqa: E402
 from ._kit import marker_processes as marker_processes  # noqa: E402
 from ._kit import run_kit as run_kit  # noqa: E402
 from ._kit import run_threat as run_threat  # noqa: E402
+from ._kit import shared_tmp as shared_tmp  # noqa: E402
