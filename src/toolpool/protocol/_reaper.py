@@ -1,0 +1,527 @@
+"""The reaper's messages (``docs/protocol.md`` §9), typed, and their strict codec.
+
+The supervisor sends commands (``op``), the reaper sends reports (``ev``): one JSON object per
+``SOCK_SEQPACKET`` datagram. Each kind is a frozen class here; :func:`encode_reaper` writes
+every field of one, :func:`decode_command` and :func:`decode_report` accept exactly the fields
+of a known kind, each of its type, and raise :class:`ProtocolViolation` on anything else (an
+unknown ``op`` or ``ev`` included).
+
+Stdlib only, and so is ``_checks.py``, all this file imports of toolpool: the reaper process
+loads both by path, under a stand-in package name (``reaper/_main.py``), and never imports
+toolpool itself, msgpack or the supervisor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Final, TypeAlias
+
+from ._checks import MAX_TEXT, ProtocolViolation, int_id, text
+
+__all__ = (
+    "ByeReport",
+    "CleanCommand",
+    "CleanedReport",
+    "CleanupDoneReport",
+    "CleanupPendingReport",
+    "ExitCommand",
+    "ExitedReport",
+    "ForkUnavailableReport",
+    "GoneReport",
+    "KillCommand",
+    "LostReport",
+    "OwnCommand",
+    "PreloadCommand",
+    "PreloadedReport",
+    "ReadyReport",
+    "ReaperCommand",
+    "ReaperReport",
+    "SignalCommand",
+    "SpawnCommand",
+    "SpawnFailedReport",
+    "SpawnedReport",
+    "StuckReport",
+    "decode_command",
+    "decode_report",
+    "encode_reaper",
+)
+
+#: The longest path a report or command names (Linux's PATH_MAX), in characters.
+MAX_PATH: Final = 4096
+#: The longest string of a command (an argument, an environment value, the worker's stdin):
+#: a command is read whole, at most 1 MiB.
+MAX_ARG: Final = 1 << 20
+
+
+# --------------------------------------------------------------------------- commands
+# Supervisor -> reaper: the key "op" names the kind.
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnCommand:
+    """Start worker ``wid``: ``argv`` in a new session, ``stdin`` written to its stdin pipe
+    (its secret). ``output``: ``"discard"`` or ``"inherit"``. ``cwd``: its scratch directory;
+    ``cgroup``: its v2 cgroup (the kill barrier); ``groups``: its cgroup directories;
+    ``cleanup``: what to remove once its tree is gone; ``start``: ``"spawn"`` or ``"fork"``.
+    Answered by ``spawned`` or ``spawn_failed`` (after ``fork_unavailable``, maybe)."""
+
+    wid: int
+    argv: tuple[str, ...]
+    env: dict[str, str] | None
+    stdin: str
+    output: str = "discard"
+    cwd: str | None = None
+    cgroup: str | None = None
+    groups: tuple[str, ...] = ()
+    cleanup: tuple[str, ...] = ()
+    start: str = "spawn"
+    TYPE: ClassVar[str] = "spawn"
+
+
+@dataclass(frozen=True, slots=True)
+class SignalCommand:
+    """Send ``sig`` to the worker's descendants, then to the worker. Not answered."""
+
+    wid: int
+    sig: int
+    TYPE: ClassVar[str] = "signal"
+
+
+@dataclass(frozen=True, slots=True)
+class KillCommand:
+    """Kill the worker's tree, once. Not answered: ``gone`` says when it is done."""
+
+    wid: int
+    TYPE: ClassVar[str] = "kill"
+
+
+@dataclass(frozen=True, slots=True)
+class CleanCommand:
+    """Kill the worker's descendants, not the worker. Answered by ``cleaned``."""
+
+    wid: int
+    TYPE: ClassVar[str] = "clean"
+
+
+@dataclass(frozen=True, slots=True)
+class PreloadCommand:
+    """Import the worker's modules (the template) from ``paths``. Answered by ``preloaded``."""
+
+    paths: tuple[str, ...]
+    TYPE: ClassVar[str] = "preload"
+
+
+@dataclass(frozen=True, slots=True)
+class OwnCommand:
+    """The pool's directories, removed when the reaper exits. Not answered."""
+
+    paths: tuple[str, ...]
+    TYPE: ClassVar[str] = "own"
+
+
+@dataclass(frozen=True, slots=True)
+class ExitCommand:
+    """Kill every tree, remove what is owned for at most ``cleanup_budget`` seconds, say
+    ``bye`` and exit; killed workers are waited for at most ``kill_wait`` seconds."""
+
+    cleanup_budget: float = 2.0
+    kill_wait: float = 2.0
+    TYPE: ClassVar[str] = "exit"
+
+
+ReaperCommand: TypeAlias = (
+    SpawnCommand
+    | SignalCommand
+    | KillCommand
+    | CleanCommand
+    | PreloadCommand
+    | OwnCommand
+    | ExitCommand
+)
+
+
+# --------------------------------------------------------------------------- reports
+# Reaper -> supervisor: the key "ev" names the kind.
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyReport:
+    """The reaper runs (``pid``); ``subreaper``: whether it became a child subreaper."""
+
+    pid: int
+    subreaper: bool
+    TYPE: ClassVar[str] = "ready"
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnedReport:
+    """Worker ``wid`` is process ``pid``, started by ``method`` (``"spawn"`` or ``"fork"``)."""
+
+    wid: int
+    pid: int
+    method: str
+    TYPE: ClassVar[str] = "spawned"
+
+
+@dataclass(frozen=True, slots=True)
+class ForkUnavailableReport:
+    """Worker ``wid`` could not be forked (``reason``): it is spawned instead."""
+
+    wid: int
+    reason: str
+    TYPE: ClassVar[str] = "fork_unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnFailedReport:
+    """Worker ``wid`` could not be started: ``error``."""
+
+    wid: int
+    error: str
+    TYPE: ClassVar[str] = "spawn_failed"
+
+
+@dataclass(frozen=True, slots=True)
+class ExitedReport:
+    """Worker ``wid`` (``pid``) was reaped with ``status`` (``os.waitstatus_to_exitcode``);
+    ``oom_kills``: the OOM kills its memory cgroup recorded. Its ``gone`` follows."""
+
+    wid: int
+    pid: int
+    status: int
+    oom_kills: int
+    TYPE: ClassVar[str] = "exited"
+
+
+@dataclass(frozen=True, slots=True)
+class GoneReport:
+    """Worker ``wid`` was reaped and every process of its tree is gone. ``pid``, ``status``
+    and ``oom_kills`` (as in ``exited``) are its exit when no ``exited`` came before: all
+    three or none (None)."""
+
+    wid: int
+    pid: int | None = None
+    status: int | None = None
+    oom_kills: int | None = None
+    TYPE: ClassVar[str] = "gone"
+
+    @property
+    def exit(self) -> ExitedReport | None:
+        """The worker's exit, when this report carries it."""
+        if self.pid is None or self.status is None or self.oom_kills is None:
+            return None
+        return ExitedReport(self.wid, self.pid, self.status, self.oom_kills)
+
+
+@dataclass(frozen=True, slots=True)
+class StuckReport:
+    """Worker ``wid`` was reaped, but its tree is not gone yet (its cgroup is not empty, or
+    orphans ``pids`` did not die): the reaper retries, and says ``gone`` then."""
+
+    wid: int
+    pids: tuple[int, ...] = ()
+    TYPE: ClassVar[str] = "stuck"
+
+
+@dataclass(frozen=True, slots=True)
+class CleanedReport:
+    """A ``clean`` of worker ``wid`` ended: ``count`` processes were killed."""
+
+    wid: int
+    count: int
+    TYPE: ClassVar[str] = "cleaned"
+
+
+@dataclass(frozen=True, slots=True)
+class PreloadedReport:
+    """A ``preload`` ended: the template is loaded, or ``error`` says why not."""
+
+    error: str | None = None
+    TYPE: ClassVar[str] = "preloaded"
+
+
+@dataclass(frozen=True, slots=True)
+class CleanupPendingReport:
+    """Directory ``path`` of worker ``wid`` (None: the pool's) is still being removed, in
+    the background (``removed`` entries so far)."""
+
+    wid: int | None
+    path: str
+    removed: int
+    TYPE: ClassVar[str] = "cleanup_pending"
+
+
+@dataclass(frozen=True, slots=True)
+class CleanupDoneReport:
+    """A removal reported pending ended, or one ended with something left (``finished``
+    false, ``error`` says what and why)."""
+
+    wid: int | None
+    path: str
+    removed: int
+    finished: bool
+    error: str | None = None
+    TYPE: ClassVar[str] = "cleanup_done"
+
+
+@dataclass(frozen=True, slots=True)
+class ByeReport:
+    """The reaper exits. ``unfinished``: what it goes on removing after this; ``failed``:
+    what could not be removed, and why; ``unkillable``: processes alive after every kill."""
+
+    unfinished: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+    unkillable: tuple[int, ...] = ()
+    TYPE: ClassVar[str] = "bye"
+
+
+@dataclass(frozen=True, slots=True)
+class LostReport:
+    """The client's own report, never on the wire: the reaper's socket closed without a
+    ``bye``, or the reaper broke the protocol (``error``; the client killed it then)."""
+
+    error: str | None = field(default=None)
+    TYPE: ClassVar[str] = "lost"
+
+
+ReaperReport: TypeAlias = (
+    ReadyReport
+    | SpawnedReport
+    | ForkUnavailableReport
+    | SpawnFailedReport
+    | ExitedReport
+    | GoneReport
+    | StuckReport
+    | CleanedReport
+    | PreloadedReport
+    | CleanupPendingReport
+    | CleanupDoneReport
+    | ByeReport
+    | LostReport
+)
+
+
+# --------------------------------------------------------------------------- field checks
+
+_Check: TypeAlias = Callable[[Any, str], Any]
+
+
+def _id(value: Any, what: str) -> int:
+    return int_id(value, what)
+
+
+def _pid(value: Any, what: str) -> int:
+    if type(value) is not int or not 0 < value <= 2**31:
+        raise ProtocolViolation(f"{what} must be a process id")
+    return value
+
+
+def _status(value: Any, what: str) -> int:
+    """``os.waitstatus_to_exitcode``: an exit code (0 to 255) or minus a signal's number."""
+    if type(value) is not int or not -128 <= value <= 255:
+        raise ProtocolViolation(f"{what} must be an exit status (-128 to 255)")
+    return value
+
+
+def _sig(value: Any, what: str) -> int:
+    if type(value) is not int or not 0 < value < 128:
+        raise ProtocolViolation(f"{what} must be a signal number")
+    return value
+
+
+def _bool(value: Any, what: str) -> bool:
+    if type(value) is not bool:
+        raise ProtocolViolation(f"{what} must be a boolean")
+    return value
+
+
+def _seconds(value: Any, what: str) -> float:
+    if type(value) is int and 0 <= value <= 2**31:
+        return float(value)
+    if type(value) is not float or not 0.0 <= value < math.inf:
+        raise ProtocolViolation(f"{what} must be a finite, non-negative number of seconds")
+    return value
+
+
+def _str(limit: int) -> _Check:
+    def check(value: Any, what: str) -> str:
+        result: str = text(value, what, limit)
+        return result
+
+    return check
+
+
+def _one_of(*choices: str) -> _Check:
+    def check(value: Any, what: str) -> str:
+        if type(value) is not str or value not in choices:
+            raise ProtocolViolation(f"{what} must be one of {', '.join(choices)}")
+        return value
+
+    return check
+
+
+def _optional(inner: _Check) -> _Check:
+    def check(value: Any, what: str) -> Any:
+        return None if value is None else inner(value, what)
+
+    return check
+
+
+def _tuple(inner: _Check, *, least: int = 0) -> _Check:
+    def check(value: Any, what: str) -> tuple[Any, ...]:
+        if type(value) is not list or len(value) < least:
+            raise ProtocolViolation(f"{what} must be an array of at least {least} items")
+        return tuple(inner(item, f"an item of {what}") for item in value)
+
+    return check
+
+
+def _env(value: Any, what: str) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if type(value) is not dict or not all(
+        type(v) is str and len(v) <= MAX_ARG for v in value.values()
+    ):
+        raise ProtocolViolation(f"{what} must map names to strings")
+    return value  # (a JSON object's keys are strings)
+
+
+_PATH = _str(MAX_PATH)
+_PATHS = _tuple(_PATH)
+
+#: Each kind's class and its fields' checks, in order (every field is on the wire).
+_COMMANDS: Final[dict[str, tuple[type[Any], dict[str, _Check]]]] = {
+    "spawn": (
+        SpawnCommand,
+        {
+            "wid": _id,
+            "argv": _tuple(_str(MAX_ARG), least=1),
+            "env": _env,
+            "stdin": _str(MAX_ARG),
+            "output": _one_of("discard", "inherit"),
+            "cwd": _optional(_PATH),
+            "cgroup": _optional(_PATH),
+            "groups": _PATHS,
+            "cleanup": _PATHS,
+            "start": _one_of("spawn", "fork"),
+        },
+    ),
+    "signal": (SignalCommand, {"wid": _id, "sig": _sig}),
+    "kill": (KillCommand, {"wid": _id}),
+    "clean": (CleanCommand, {"wid": _id}),
+    "preload": (PreloadCommand, {"paths": _tuple(_str(MAX_ARG))}),
+    "own": (OwnCommand, {"paths": _PATHS}),
+    "exit": (ExitCommand, {"cleanup_budget": _seconds, "kill_wait": _seconds}),
+}
+
+_TEXT = _str(MAX_TEXT)
+_REPORTS: Final[dict[str, tuple[type[Any], dict[str, _Check]]]] = {
+    "ready": (ReadyReport, {"pid": _pid, "subreaper": _bool}),
+    "spawned": (SpawnedReport, {"wid": _id, "pid": _pid, "method": _one_of("spawn", "fork")}),
+    "fork_unavailable": (ForkUnavailableReport, {"wid": _id, "reason": _TEXT}),
+    "spawn_failed": (SpawnFailedReport, {"wid": _id, "error": _TEXT}),
+    "exited": (ExitedReport, {"wid": _id, "pid": _pid, "status": _status, "oom_kills": _id}),
+    "gone": (
+        GoneReport,
+        {
+            "wid": _id,
+            "pid": _optional(_pid),
+            "status": _optional(_status),
+            "oom_kills": _optional(_id),
+        },
+    ),
+    "stuck": (StuckReport, {"wid": _id, "pids": _tuple(_pid)}),
+    "cleaned": (CleanedReport, {"wid": _id, "count": _id}),
+    "preloaded": (PreloadedReport, {"error": _optional(_TEXT)}),
+    "cleanup_pending": (
+        CleanupPendingReport,
+        {"wid": _optional(_id), "path": _PATH, "removed": _id},
+    ),
+    "cleanup_done": (
+        CleanupDoneReport,
+        {
+            "wid": _optional(_id),
+            "path": _PATH,
+            "removed": _id,
+            "finished": _bool,
+            "error": _optional(_TEXT),
+        },
+    ),
+    "bye": (
+        ByeReport,
+        {"unfinished": _PATHS, "failed": _tuple(_TEXT), "unkillable": _tuple(_pid)},
+    ),
+}
+
+
+# --------------------------------------------------------------------------- codec
+
+
+def encode_reaper(message: ReaperCommand | ReaperReport) -> bytes:
+    """Encode a command or a report as one datagram: a JSON object of every field, with
+    ``op`` (a command) or ``ev`` (a report) naming its kind. A :class:`LostReport` is never
+    sent (TypeError)."""
+    kind = message.TYPE
+    command = _COMMANDS.get(kind)
+    if command is not None and type(message) is command[0]:
+        key, checks = "op", command[1]
+    else:
+        report = _REPORTS.get(kind)
+        if report is None or type(message) is not report[0]:
+            raise TypeError(f"{type(message).__name__} is not sent to or by the reaper")
+        key, checks = "ev", report[1]
+    obj: dict[str, Any] = {key: kind}
+    for name in checks:
+        obj[name] = getattr(message, name)
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _no_constant(name: str) -> Any:
+    raise ProtocolViolation(f"{name} is not a number a frame may carry")
+
+
+def _decode(frame: bytes, key: str, kinds: dict[str, tuple[type[Any], dict[str, _Check]]]) -> Any:
+    try:
+        obj = json.loads(frame, parse_constant=_no_constant)
+    except ProtocolViolation:
+        raise
+    except Exception as exc:  # ValueError, UnicodeDecodeError, RecursionError (deep nesting)...
+        why = str(exc)[:200]
+        raise ProtocolViolation(f"undecodable frame: {type(exc).__name__}: {why}") from None
+    if type(obj) is not dict:
+        raise ProtocolViolation("a frame is a JSON object")
+    kind = obj.get(key)
+    if type(kind) is not str:
+        raise ProtocolViolation(f"a frame names its kind in {key!r}")
+    entry = kinds.get(kind)
+    if entry is None:
+        raise ProtocolViolation(f"unknown {key} {kind[:64]!r}")
+    cls, checks = entry
+    if len(obj) != len(checks) + 1 or not all(name in obj for name in checks):
+        missing = sorted(set(checks) - set(obj))
+        extra = sorted(set(obj) - set(checks) - {key})
+        raise ProtocolViolation(
+            f"{kind!r}: missing {', '.join(missing) or 'nothing'}; "
+            f"unknown {', '.join(n[:64] for n in extra[:8]) or 'nothing'}"
+        )
+    return cls(*[check(obj[name], name) for name, check in checks.items()])
+
+
+def decode_command(frame: bytes) -> ReaperCommand:
+    """Decode and validate one command (the reaper's side). Raises :class:`ProtocolViolation`."""
+    command: ReaperCommand = _decode(frame, "op", _COMMANDS)
+    return command
+
+
+def decode_report(frame: bytes) -> ReaperReport:
+    """Decode and validate one report (the supervisor's side). Raises
+    :class:`ProtocolViolation`; ``lost`` is the client's own, never decoded."""
+    report: ReaperReport = _decode(frame, "ev", _REPORTS)
+    if type(report) is GoneReport:
+        exit_fields = (report.pid, report.status, report.oom_kills)
+        if None in exit_fields and exit_fields != (None, None, None):
+            raise ProtocolViolation("'gone': pid, status and oom_kills come all three or none")
+    return report
