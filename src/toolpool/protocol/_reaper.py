@@ -476,16 +476,21 @@ def encode_reaper(message: ReaperCommand | ReaperReport) -> bytes:
     obj: dict[str, Any] = {key: kind}
     for name in checks:
         obj[name] = getattr(message, name)
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    return _ENCODER.encode(obj).encode()
 
 
 def _no_constant(name: str) -> Any:
     raise ProtocolViolation(f"{name} is not a number a frame may carry")
 
 
+# (One of each, made once: json.dumps and json.loads make a new one per call when given options.)
+_ENCODER: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_DECODER: Final = json.JSONDecoder(parse_constant=_no_constant)
+
+
 def _decode(frame: bytes, key: str, kinds: dict[str, tuple[type[Any], dict[str, _Check]]]) -> Any:
     try:
-        obj = json.loads(frame, parse_constant=_no_constant)
+        obj = _DECODER.decode(frame.decode())
     except ProtocolViolation:
         raise
     except Exception as exc:  # ValueError, UnicodeDecodeError, RecursionError (deep nesting)...
