@@ -99,9 +99,26 @@ REPORTS: list[Any] = [
 # --------------------------------------------------------------------------- the codec
 
 
-def test_the_examples_cover_every_kind() -> None:
+def test_the_examples_cover_every_kind_and_the_checks_every_field() -> None:
     assert {type(m).TYPE for m in COMMANDS} == set(_reaper._COMMANDS)
     assert {type(m).TYPE for m in REPORTS} == set(_reaper._REPORTS)
+    for kind, (cls, checks) in {**_reaper._COMMANDS, **_reaper._REPORTS}.items():
+        assert kind == cls.TYPE
+        assert tuple(checks) == cls.FIELDS  # (the wire's order is the constructor's)
+
+
+def test_messages_are_frozen_and_compare_by_kind_and_fields() -> None:
+    kill = KillCommand(3)
+    with pytest.raises(AttributeError, match="frozen"):
+        kill.wid = 4  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="frozen"):
+        del kill.wid
+    assert kill == KillCommand(3)
+    assert hash(kill) == hash(KillCommand(3))
+    assert kill != CleanCommand(3)
+    assert kill != KillCommand(4)
+    assert repr(GoneReport(1)) == "GoneReport(wid=1, pid=None, status=None, oom_kills=None)"
+    assert not hasattr(kill, "__dict__")
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda m: type(m).TYPE)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, TypeAlias
 
 from ._checks import MAX_TEXT, ProtocolViolation, int_id, text
@@ -56,80 +55,172 @@ MAX_PATH: Final = 4096
 MAX_ARG: Final = 1 << 20
 
 
+# --------------------------------------------------------------------------- messages
+
+
+class _Message:
+    """A message: frozen (its fields are set once, by ``__init__``), equal to another of its
+    class with equal fields. Plain classes with ``__slots__``, not dataclasses: the reaper's
+    start makes them all, and twenty frozen dataclasses cost it about 20 ms (their methods are
+    compiled from source as each class is made)."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ()  # its fields, in the constructor's order
+    __slots__ = FIELDS
+    TYPE: ClassVar[str]
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.FIELDS)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._values()))
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.FIELDS)
+        return f"{type(self).__name__}({fields})"
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is frozen: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is frozen: cannot delete {name!r}")
+
+
+def _fill(message: _Message, *values: Any) -> None:
+    """Set ``message``'s fields, in the order of its ``FIELDS``."""
+    for name, value in zip(message.FIELDS, values, strict=True):
+        object.__setattr__(message, name, value)
+
+
 # --------------------------------------------------------------------------- commands
 # Supervisor -> reaper: the key "op" names the kind.
 
 
-@dataclass(frozen=True, slots=True)
-class SpawnCommand:
+class SpawnCommand(_Message):
     """Start worker ``wid``: ``argv`` in a new session, ``stdin`` written to its stdin pipe
     (its secret). ``output``: ``"discard"`` or ``"inherit"``. ``cwd``: its scratch directory;
     ``cgroup``: its v2 cgroup (the kill barrier); ``groups``: its cgroup directories;
     ``cleanup``: what to remove once its tree is gone; ``start``: ``"spawn"`` or ``"fork"``.
     Answered by ``spawned`` or ``spawn_failed`` (after ``fork_unavailable``, maybe)."""
 
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "wid",
+        "argv",
+        "env",
+        "stdin",
+        "output",
+        "cwd",
+        "cgroup",
+        "groups",
+        "cleanup",
+        "start",
+    )
+    __slots__ = FIELDS
+    TYPE: ClassVar[str] = "spawn"
     wid: int
     argv: tuple[str, ...]
     env: dict[str, str] | None
     stdin: str
-    output: str = "discard"
-    cwd: str | None = None
-    cgroup: str | None = None
-    groups: tuple[str, ...] = ()
-    cleanup: tuple[str, ...] = ()
-    start: str = "spawn"
-    TYPE: ClassVar[str] = "spawn"
+    output: str
+    cwd: str | None
+    cgroup: str | None
+    groups: tuple[str, ...]
+    cleanup: tuple[str, ...]
+    start: str
+
+    def __init__(
+        self,
+        wid: int,
+        argv: tuple[str, ...],
+        env: dict[str, str] | None,
+        stdin: str,
+        output: str = "discard",
+        cwd: str | None = None,
+        cgroup: str | None = None,
+        groups: tuple[str, ...] = (),
+        cleanup: tuple[str, ...] = (),
+        start: str = "spawn",
+    ) -> None:
+        _fill(self, wid, argv, env, stdin, output, cwd, cgroup, groups, cleanup, start)
 
 
-@dataclass(frozen=True, slots=True)
-class SignalCommand:
+class SignalCommand(_Message):
     """Send ``sig`` to the worker's descendants, then to the worker. Not answered."""
 
+    FIELDS: ClassVar[tuple[str, ...]] = ("wid", "sig")
+    __slots__ = FIELDS
+    TYPE: ClassVar[str] = "signal"
     wid: int
     sig: int
-    TYPE: ClassVar[str] = "signal"
+
+    def __init__(self, wid: int, sig: int) -> None:
+        _fill(self, wid, sig)
 
 
-@dataclass(frozen=True, slots=True)
-class KillCommand:
+class KillCommand(_Message):
     """Kill the worker's tree, once. Not answered: ``gone`` says when it is done."""
 
-    wid: int
+    FIELDS: ClassVar[tuple[str, ...]] = ("wid",)
+    __slots__ = FIELDS
     TYPE: ClassVar[str] = "kill"
+    wid: int
+
+    def __init__(self, wid: int) -> None:
+        _fill(self, wid)
 
 
-@dataclass(frozen=True, slots=True)
-class CleanCommand:
+class CleanCommand(_Message):
     """Kill the worker's descendants, not the worker. Answered by ``cleaned``."""
 
-    wid: int
+    FIELDS: ClassVar[tuple[str, ...]] = ("wid",)
+    __slots__ = FIELDS
     TYPE: ClassVar[str] = "clean"
+    wid: int
+
+    def __init__(self, wid: int) -> None:
+        _fill(self, wid)
 
 
-@dataclass(frozen=True, slots=True)
-class PreloadCommand:
+class PreloadCommand(_Message):
     """Import the worker's modules (the template) from ``paths``. Answered by ``preloaded``."""
 
-    paths: tuple[str, ...]
+    FIELDS: ClassVar[tuple[str, ...]] = ("paths",)
+    __slots__ = FIELDS
     TYPE: ClassVar[str] = "preload"
+    paths: tuple[str, ...]
+
+    def __init__(self, paths: tuple[str, ...]) -> None:
+        _fill(self, paths)
 
 
-@dataclass(frozen=True, slots=True)
-class OwnCommand:
+class OwnCommand(_Message):
     """The pool's directories, removed when the reaper exits. Not answered."""
 
-    paths: tuple[str, ...]
+    FIELDS: ClassVar[tuple[str, ...]] = ("paths",)
+    __slots__ = FIELDS
     TYPE: ClassVar[str] = "own"
+    paths: tuple[str, ...]
+
+    def __init__(self, paths: tuple[str, ...]) -> None:
+        _fill(self, paths)
 
 
-@dataclass(frozen=True, slots=True)
-class ExitCommand:
+class ExitCommand(_Message):
     """Kill every tree, remove what is owned for at most ``cleanup_budget`` seconds, say
     ``bye`` and exit; killed workers are waited for at most ``kill_wait`` seconds."""
 
-    cleanup_budget: float = 2.0
-    kill_wait: float = 2.0
+    FIELDS: ClassVar[tuple[str, ...]] = ("cleanup_budget", "kill_wait")
+    __slots__ = FIELDS
     TYPE: ClassVar[str] = "exit"
+    cleanup_budget: float
+    kill_wait: float
+
+    def __init__(self, cleanup_budget: float = 2.0, kill_wait: float = 2.0) -> None:
+        _fill(self, cleanup_budget, kill_wait)
 
 
 ReaperCommand: TypeAlias = (
@@ -147,66 +238,96 @@ ReaperCommand: TypeAlias = (
 # Reaper -> supervisor: the key "ev" names the kind.
 
 
-@dataclass(frozen=True, slots=True)
-class ReadyReport:
+class ReadyReport(_Message):
     """The reaper runs (``pid``); ``subreaper``: whether it became a child subreaper."""
 
+    FIELDS: ClassVar[tuple[str, ...]] = ("pid", "subreaper")
+    __slots__ = FIELDS
+    TYPE: ClassVar[str] = "ready"
     pid: int
     subreaper: bool
-    TYPE: ClassVar[str] = "ready"
+
+    def __init__(self, pid: int, subreaper: bool) -> None:
+        _fill(self, pid, subreaper)
 
 
-@dataclass(frozen=True, slots=True)
-class SpawnedReport:
+class SpawnedReport(_Message):
     """Worker ``wid`` is process ``pid``, started by ``method`` (``"spawn"`` or ``"fork"``)."""
 
+    FIELDS: ClassVar[tuple[str, ...]] = ("wid", "pid", "method")
+    __slots__ = FIELDS
+    TYPE: ClassVar[str] = "spawned"
     wid: int
     pid: int
     method: str
-    TYPE: ClassVar[str] = "spawned"
+
+    def __init__(self, wid: int, pid: int, method: str) -> None:
+        _fill(self, wid, pid, method)
 
 
-@dataclass(frozen=True, slots=True)
-class ForkUnavailableReport:
+class ForkUnavailableReport(_Message):
     """Worker ``wid`` could not be forked (``reason``): it is spawned instead."""
 
+    FIELDS: ClassVar[tuple[str, ...]] = ("wid", "reason")
+    __slots__ = FIELDS
+    TYPE: ClassVar[str] = "fork_unavailable"
     wid: int
     reason: str
-    TYPE: ClassVar[str] = "fork_unavailable"
+
+    def __init__(self, wid: int, reason: str) -> None:
+        _fill(self, wid, reason)
 
 
-@dataclass(frozen=True, slots=True)
-class SpawnFailedReport:
+class SpawnFailedReport(_Message):
     """Worker ``wid`` could not be started: ``error``."""
 
+    FIELDS: ClassVar[tuple[str, ...]] = ("wid", "error")
+    __slots__ = FIELDS
+    TYPE: ClassVar[str] = "spawn_failed"
     wid: int
     error: str
-    TYPE: ClassVar[str] = "spawn_failed"
+
+    def __init__(self, wid: int, error: str) -> None:
+        _fill(self, wid, error)
 
 
-@dataclass(frozen=True, slots=True)
-class ExitedReport:
+class ExitedReport(_Message):
     """Worker ``wid`` (``pid``) was reaped with ``status`` (``os.waitstatus_to_exitcode``);
     ``oom_kills``: the OOM kills its memory cgroup recorded. Its ``gone`` follows."""
 
+    FIELDS: ClassVar[tuple[str, ...]] = ("wid", "pid", "status", "oom_kills")
+    __slots__ = FIELDS
+    TYPE: ClassVar[str] = "exited"
     wid: int
     pid: int
     status: int
     oom_kills: int
-    TYPE: ClassVar[str] = "exited"
+
+    def __init__(self, wid: int, pid: int, status: int, oom_kills: int) -> None:
+        _fill(self, wid, pid, status, oom_kills)
 
 
-@dataclass(frozen=True, slots=True)
-class GoneReport:
+class GoneReport(_Message):
     """Worker ``wid`` was reaped and every process of its tree is gone. ``pid``, ``status``
     and ``oom_kills`` (as in ``exited``) are its exit when no ``exited`` came before: all
     three or none (None)."""
 
-    wid: int
-    pid: int | None = None
-    status: int | None = None
-    oom_kills: int | None = None
+    FIELDS: ClassVar[tuple[str, ...]] = ("wid", "pid", "status", "oom_kills")
+    __slots__ = FIELDS
     TYPE: ClassVar[str] = "gone"
+    wid: int
+    pid: int | None
+    status: int | None
+    oom_kills: int | None
+
+    def __init__(
+        self,
+        wid: int,
+        pid: int | None = None,
+        status: int | None = None,
+        oom_kills: int | None = None,
+    ) -> None:
+        _fill(self, wid, pid, status, oom_kills)
 
     @property
     def exit(self) -> ExitedReport | None:
@@ -216,75 +337,110 @@ class GoneReport:
         return ExitedReport(self.wid, self.pid, self.status, self.oom_kills)
 
 
-@dataclass(frozen=True, slots=True)
-class StuckReport:
+class StuckReport(_Message):
     """Worker ``wid`` was reaped, but its tree is not gone yet (its cgroup is not empty, or
     orphans ``pids`` did not die): the reaper retries, and says ``gone`` then."""
 
-    wid: int
-    pids: tuple[int, ...] = ()
+    FIELDS: ClassVar[tuple[str, ...]] = ("wid", "pids")
+    __slots__ = FIELDS
     TYPE: ClassVar[str] = "stuck"
+    wid: int
+    pids: tuple[int, ...]
+
+    def __init__(self, wid: int, pids: tuple[int, ...] = ()) -> None:
+        _fill(self, wid, pids)
 
 
-@dataclass(frozen=True, slots=True)
-class CleanedReport:
+class CleanedReport(_Message):
     """A ``clean`` of worker ``wid`` ended: ``count`` processes were killed."""
 
+    FIELDS: ClassVar[tuple[str, ...]] = ("wid", "count")
+    __slots__ = FIELDS
+    TYPE: ClassVar[str] = "cleaned"
     wid: int
     count: int
-    TYPE: ClassVar[str] = "cleaned"
+
+    def __init__(self, wid: int, count: int) -> None:
+        _fill(self, wid, count)
 
 
-@dataclass(frozen=True, slots=True)
-class PreloadedReport:
+class PreloadedReport(_Message):
     """A ``preload`` ended: the template is loaded, or ``error`` says why not."""
 
-    error: str | None = None
+    FIELDS: ClassVar[tuple[str, ...]] = ("error",)
+    __slots__ = FIELDS
     TYPE: ClassVar[str] = "preloaded"
+    error: str | None
+
+    def __init__(self, error: str | None = None) -> None:
+        _fill(self, error)
 
 
-@dataclass(frozen=True, slots=True)
-class CleanupPendingReport:
+class CleanupPendingReport(_Message):
     """Directory ``path`` of worker ``wid`` (None: the pool's) is still being removed, in
     the background (``removed`` entries so far)."""
 
+    FIELDS: ClassVar[tuple[str, ...]] = ("wid", "path", "removed")
+    __slots__ = FIELDS
+    TYPE: ClassVar[str] = "cleanup_pending"
     wid: int | None
     path: str
     removed: int
-    TYPE: ClassVar[str] = "cleanup_pending"
+
+    def __init__(self, wid: int | None, path: str, removed: int) -> None:
+        _fill(self, wid, path, removed)
 
 
-@dataclass(frozen=True, slots=True)
-class CleanupDoneReport:
+class CleanupDoneReport(_Message):
     """A removal reported pending ended, or one ended with something left (``finished``
     false, ``error`` says what and why)."""
 
+    FIELDS: ClassVar[tuple[str, ...]] = ("wid", "path", "removed", "finished", "error")
+    __slots__ = FIELDS
+    TYPE: ClassVar[str] = "cleanup_done"
     wid: int | None
     path: str
     removed: int
     finished: bool
-    error: str | None = None
-    TYPE: ClassVar[str] = "cleanup_done"
+    error: str | None
+
+    def __init__(
+        self, wid: int | None, path: str, removed: int, finished: bool, error: str | None = None
+    ) -> None:
+        _fill(self, wid, path, removed, finished, error)
 
 
-@dataclass(frozen=True, slots=True)
-class ByeReport:
+class ByeReport(_Message):
     """The reaper exits. ``unfinished``: what it goes on removing after this; ``failed``:
     what could not be removed, and why; ``unkillable``: processes alive after every kill."""
 
-    unfinished: tuple[str, ...] = ()
-    failed: tuple[str, ...] = ()
-    unkillable: tuple[int, ...] = ()
+    FIELDS: ClassVar[tuple[str, ...]] = ("unfinished", "failed", "unkillable")
+    __slots__ = FIELDS
     TYPE: ClassVar[str] = "bye"
+    unfinished: tuple[str, ...]
+    failed: tuple[str, ...]
+    unkillable: tuple[int, ...]
+
+    def __init__(
+        self,
+        unfinished: tuple[str, ...] = (),
+        failed: tuple[str, ...] = (),
+        unkillable: tuple[int, ...] = (),
+    ) -> None:
+        _fill(self, unfinished, failed, unkillable)
 
 
-@dataclass(frozen=True, slots=True)
-class LostReport:
+class LostReport(_Message):
     """The client's own report, never on the wire: the reaper's socket closed without a
     ``bye``, or the reaper broke the protocol (``error``; the client killed it then)."""
 
-    error: str | None = field(default=None)
+    FIELDS: ClassVar[tuple[str, ...]] = ("error",)
+    __slots__ = FIELDS
     TYPE: ClassVar[str] = "lost"
+    error: str | None
+
+    def __init__(self, error: str | None = None) -> None:
+        _fill(self, error)
 
 
 ReaperReport: TypeAlias = (
@@ -474,7 +630,7 @@ def encode_reaper(message: ReaperCommand | ReaperReport) -> bytes:
             raise TypeError(f"{type(message).__name__} is not sent to or by the reaper")
         key, checks = "ev", report[1]
     obj: dict[str, Any] = {key: kind}
-    for name in checks:
+    for name in checks:  # (the class's FIELDS: a test holds them to that)
         obj[name] = getattr(message, name)
     return _ENCODER.encode(obj).encode()
 
