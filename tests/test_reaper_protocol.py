@@ -373,19 +373,28 @@ def test_the_reaper_imports_neither_toolpool_nor_msgpack_nor_asyncio() -> None:
 
 
 def _garbling_reaper(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mark: str, garbage: bytes
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    mark: str,
+    garbage: bytes,
+    *,
+    once: bool = False,
 ) -> None:
     """From now on the pool's reaper is the real one, but any report it sends that holds
-    ``mark`` (its encoded bytes) is sent as ``garbage`` instead."""
+    ``mark`` (its encoded bytes) is sent as ``garbage`` instead (``once``: the first such
+    report of any of the pool's reapers, no other)."""
     from toolpool.reaper import _client
 
     script = tmp_path / "garbling_reaper.py"
+    flag = tmp_path / "garbled"
     script.write_text(
-        "import runpy, socket\n"
+        "import os, runpy, socket\n"
         "real_send = socket.socket.send\n"
         "def send(self, data, *args):\n"
-        f"    if {mark.encode()!r} in data:\n"
+        f"    if {mark.encode()!r} in data and not os.path.exists({str(flag)!r}):\n"
         f"        data = {garbage!r}\n"
+        f"        if {once!r}:\n"
+        f"            open({str(flag)!r}, 'w').close()\n"
         "    return real_send(self, data, *args)\n"
         "socket.socket.send = send\n"
         f"runpy.run_path({str(_client.SCRIPT)!r}, run_name='__main__')\n"
@@ -434,6 +443,30 @@ async def test_a_malformed_ready_report_fails_the_start(
             await pool.start()
         await pool.aclose()
     assert repr(pool).endswith("closed>")
+
+
+@pytest.mark.anyio
+async def test_a_malformed_report_after_the_start_replaces_the_reaper(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A running pool's reaper that sends a malformed report is killed and replaced, as a
+    reaper that died: the worker whose report it was is ended, and the pool serves on."""
+    garbage = b'{"ev": "gone", "wid": 1, "pid": 2, "status": null, "oom_kills": 0}'
+    _garbling_reaper(tmp_path, monkeypatch, '"gone"', garbage, once=True)
+    async with toolpool.Pool(TOOLS, workers=1) as pool:
+        first = pool.reaper_pid
+        assert first is not None
+        (worker,) = pool.worker_pids
+        psutil.Process(worker).kill()  # its reaper reports it gone: garbled
+        with anyio.fail_after(40):
+            while pool.reaper_pid in (None, first) or not pool.worker_pids:
+                await pool._wait_changed()
+            result = await pool.call("pid")
+        assert result.ok, result
+        assert result.value != worker
+    assert not psutil.pid_exists(first)
+    assert workers_of_reaper(first) == []
+    assert "the pool's reaper process sent a malformed report: 'gone'" in caplog.text
 
 
 @pytest.mark.anyio
