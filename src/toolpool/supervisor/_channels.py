@@ -23,18 +23,17 @@ import anyio.abc
 import zmq
 
 from .._transport import fd_of, on_readable, readable
-from ..protocol import (
+from ..protocol import ProtocolViolation, decode_from_worker
+from ..protocol._reaper import (
     CleanedReport,
     ExitedReport,
     ForkUnavailableReport,
     GoneReport,
     LostReport,
-    ProtocolViolation,
     ReaperReport,
     SpawnedReport,
     SpawnFailedReport,
     StuckReport,
-    decode_from_worker,
 )
 from ..reaper import ReaperClient
 from ..sandbox import Profile
