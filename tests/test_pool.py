@@ -39,6 +39,7 @@ from pool_support import (
     workers_of_reaper,
 )
 from toolpool import Outcome, Rung
+from toolpool.protocol import ByeReport, GoneReport, SpawnedReport
 
 #: A pool that cannot close would hang the event loop's teardown, where the signal method of
 #: pytest-timeout cannot reach: the thread method ends the run instead (with every stack).
@@ -82,16 +83,16 @@ def hold_spawn_reports(monkeypatch: pytest.MonkeyPatch, until: Any) -> dict[int,
     handle = pool_module.Pool._on_reaper_event
     held: dict[int, anyio.Event] = {}
 
-    def late(pool: Any, event: dict[str, Any]) -> None:
-        w = pool._core.workers.get(int(event.get("wid", 0)))
-        if event.get("ev") != "spawned" or w is None:
-            handle(pool, event)
+    def late(pool: Any, report: Any) -> None:
+        w = pool._core.workers.get(getattr(report, "wid", None))
+        if type(report) is not SpawnedReport or w is None:
+            handle(pool, report)
             return
         handled = held[w.wid] = anyio.Event()
 
         async def later() -> None:
             await until(pool, w)
-            handle(pool, event)
+            handle(pool, report)
             handled.set()
 
         pool._tg.start_soon(later)
@@ -1042,11 +1043,11 @@ async def test_a_workers_fatal_read_only_after_its_tree_is_reported_gone_still_c
             # the socket's notification, so its reader is not called again and again.)
             transport.readable(io.sock)
 
-    def reaper_event(pool: Any, event: dict[str, Any]) -> None:
-        on_event(pool, event)
-        if event.get("ev") == "gone":
-            gone_reported.add(int(event["wid"]))
-            io = pool._io.get(int(event["wid"]))
+    def reaper_event(pool: Any, report: Any) -> None:
+        on_event(pool, report)
+        if type(report) is GoneReport:
+            gone_reported.add(report.wid)
+            io = pool._io.get(report.wid)
             if io is not None:
                 pool._on_readable(io)  # what arrived meanwhile is read (the reader's next turn)
 
@@ -1072,7 +1073,7 @@ async def test_reaper_client_close_while_its_event_pump_is_woken() -> None:
     from toolpool.reaper import ReaperClient
 
     for attempt in range(6):
-        events: list[dict[str, Any]] = []
+        events: list[Any] = []
         client = ReaperClient(events.append)
         await client.start(10)
         reaper = psutil.Process(client.pid)
@@ -1090,7 +1091,7 @@ async def test_reaper_client_close_while_its_event_pump_is_woken() -> None:
                 time.sleep(0.005)
             time.sleep(0.05)
         assert not reaper.is_running()
-        assert {"ev": "bye"} in events
+        assert ByeReport() in events
 
 
 async def test_bad_submissions_fail_at_once() -> None:

@@ -139,8 +139,9 @@ def _load_reaper_main() -> Any:
 def test_the_template_refuses_to_fork_with_threads_or_a_foreign_command() -> None:
     reaper_main = _load_reaper_main()
     template = reaper_main.Template()
-    msg = {"argv": [sys.executable, "-m", "toolpool.worker"], "env": {"PYTHONPATH": ""}}
-    assert "not a toolpool worker" in template.unusable({**msg, "argv": ["/bin/true"]})
+    spawn = reaper_main.proto.SpawnCommand
+    msg = spawn(1, (sys.executable, "-m", "toolpool.worker"), {"PYTHONPATH": ""}, "")
+    assert "not a toolpool worker" in template.unusable(spawn(1, ("/bin/true",), None, ""))
     release = threading.Event()
     thread = threading.Thread(target=release.wait)
     thread.start()

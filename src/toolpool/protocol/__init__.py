@@ -1,4 +1,5 @@
-"""The wire protocol: messages, the strict codec and ``PROTOCOL_VERSION``. A leaf package."""
+"""The wire protocol: the worker's messages and the reaper's (``_reaper.py``), their strict
+codecs and ``PROTOCOL_VERSION``. A leaf package."""
 
 from ._messages import (
     DEFAULT_MAX_FRAME,
@@ -31,6 +32,33 @@ from ._messages import (
     pack_value,
     unpack_value,
 )
+from ._reaper import (
+    ByeReport,
+    CleanCommand,
+    CleanedReport,
+    CleanupDoneReport,
+    CleanupPendingReport,
+    ExitCommand,
+    ExitedReport,
+    ForkUnavailableReport,
+    GoneReport,
+    KillCommand,
+    LostReport,
+    OwnCommand,
+    PreloadCommand,
+    PreloadedReport,
+    ReadyReport,
+    ReaperCommand,
+    ReaperReport,
+    SignalCommand,
+    SpawnCommand,
+    SpawnedReport,
+    SpawnFailedReport,
+    StuckReport,
+    decode_command,
+    decode_report,
+    encode_reaper,
+)
 
 __all__ = (
     "DEFAULT_MAX_FRAME",
@@ -62,4 +90,29 @@ __all__ = (
     "encode",
     "pack_value",
     "unpack_value",
+    "ByeReport",
+    "CleanCommand",
+    "CleanedReport",
+    "CleanupDoneReport",
+    "CleanupPendingReport",
+    "ExitCommand",
+    "ExitedReport",
+    "ForkUnavailableReport",
+    "GoneReport",
+    "KillCommand",
+    "LostReport",
+    "OwnCommand",
+    "PreloadCommand",
+    "PreloadedReport",
+    "ReadyReport",
+    "ReaperCommand",
+    "ReaperReport",
+    "SignalCommand",
+    "SpawnCommand",
+    "SpawnFailedReport",
+    "SpawnedReport",
+    "StuckReport",
+    "decode_command",
+    "decode_report",
+    "encode_reaper",
 )

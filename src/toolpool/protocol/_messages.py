@@ -14,6 +14,14 @@ from typing import Any, ClassVar, Final, TypeAlias
 
 import msgpack
 
+from ._checks import MAX_ID as _MAX_ID
+from ._checks import MAX_NAME as _MAX_NAME
+from ._checks import ProtocolViolation
+from ._checks import arity as _arity
+from ._checks import binary as _bin
+from ._checks import int_id as _int_id
+from ._checks import text as _text
+
 __all__ = (
     "DEFAULT_MAX_FRAME",
     "MAX_PROGRESS_MESSAGE",
@@ -59,17 +67,10 @@ OUTCOME_NAMES: Final = frozenset(
     {"ok", "error", "denied", "aborted_before_dispatch", "aborted", "timeout"}
 )
 _CAUSE_KINDS: Final = frozenset({"user", "parent", "disposed", "timeout"})
-_MAX_ID: Final = 2**63 - 1
-_MAX_TEXT: Final = 64 * 1024
-_MAX_NAME: Final = 256
 #: The longest ``message`` a progress report carries (characters).
 MAX_PROGRESS_MESSAGE: Final = 1024
 #: A worker sends a call's progress at most this often (seconds; the latest report wins).
 PROGRESS_INTERVAL: Final = 0.05
-
-
-class ProtocolViolation(ValueError):
-    """A frame broke the protocol: undecodable, oversized, unknown type or wrong shape."""
 
 
 # --------------------------------------------------------------------------- messages
@@ -407,28 +408,6 @@ def unpack_value(data: bytes, max_len: int = DEFAULT_MAX_FRAME) -> Any:
     return _unpack(data, max_len)
 
 
-def _int_id(value: Any, what: str) -> int:
-    if type(value) is not int or not 0 <= value <= _MAX_ID:
-        raise ProtocolViolation(f"{what} must be a non-negative integer")
-    return value
-
-
-def _text(value: Any, what: str, limit: int = _MAX_TEXT, *, optional: bool = False) -> Any:
-    if value is None and optional:
-        return None
-    if type(value) is not str or len(value) > limit:
-        raise ProtocolViolation(f"{what} must be a string of at most {limit} characters")
-    return value
-
-
-def _bin(value: Any, what: str, *, optional: bool = False) -> Any:
-    if value is None and optional:
-        return None
-    if type(value) is not bytes:
-        raise ProtocolViolation(f"{what} must be binary")
-    return value
-
-
 def _amount(value: Any, what: str) -> float:
     """A progress amount: a finite, non-negative float (an int is accepted as one)."""
     if type(value) is int and 0 <= value <= _MAX_ID:
@@ -436,11 +415,6 @@ def _amount(value: Any, what: str) -> float:
     if type(value) is not float or not (0.0 <= value < math.inf):
         raise ProtocolViolation(f"{what} must be a finite, non-negative number")
     return value
-
-
-def _arity(body: list[Any], n: int, name: str) -> None:
-    if len(body) != n:
-        raise ProtocolViolation(f"{name!r} takes {n} fields, got {len(body)}")
 
 
 def _frame(frame: bytes, max_len: int) -> tuple[str, list[Any]]:

@@ -1,13 +1,14 @@
 """The supervisor's side of the reaper process (see ``_main.py``).
 
 Launching and killing processes is split out of the pool: the pool asks, the reaper does, and
-reports back events. One reaper serves one pool.
+reports back. One reaper serves one pool. Commands and reports are the typed messages of
+``toolpool/protocol/_reaper.py``; a report that breaks the protocol ends the reaper (the client
+kills it and reports it lost, saying why).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import socket
@@ -17,11 +18,30 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import anyio
 
 from ..core import WorkerStartError
+from ..protocol._checks import ProtocolViolation
+from ..protocol._reaper import (
+    ByeReport,
+    CleanCommand,
+    CleanupDoneReport,
+    CleanupPendingReport,
+    ExitCommand,
+    KillCommand,
+    LostReport,
+    OwnCommand,
+    PreloadCommand,
+    ReadyReport,
+    ReaperCommand,
+    ReaperReport,
+    SignalCommand,
+    SpawnCommand,
+    decode_report,
+    encode_reaper,
+)
 from ..sandbox import _remove
 
 __all__ = ("REAPER_ENV", "SCRIPT", "CloseReport", "ReaperClient", "finish_cleanup", "reaper_env")
@@ -40,8 +60,6 @@ SUPERVISOR_CLEANUP_BUDGET: Final = 2.0
 
 #: The reaper process's script, run by path (``python -P SCRIPT SUPERVISOR_PID FD``).
 SCRIPT: Final = Path(__file__).with_name("_main.py")
-
-Event = dict[str, Any]
 
 
 #: What the reaper keeps of the supervisor's environment. Workers forked from it inherit its
@@ -96,9 +114,11 @@ class CloseReport:
 
 
 class ReaperClient:
-    """Starts the reaper, sends it commands and delivers its events to ``on_event``."""
+    """Starts the reaper, sends it commands and delivers its reports to ``on_event`` (but the
+    ``cleanup_*`` reports, its own): a :class:`LostReport` last if the reaper went away
+    without a ``bye`` or broke the protocol."""
 
-    def __init__(self, on_event: Callable[[Event], None]) -> None:
+    def __init__(self, on_event: Callable[[ReaperReport], None]) -> None:
         self._on_event = on_event
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -130,36 +150,53 @@ class ReaperClient:
             theirs.close()
         ours.setblocking(False)
         self._sock = ours
+        malformed: ProtocolViolation | None = None
         try:
             with anyio.move_on_after(timeout):
                 while self._sock is not None:
                     await anyio.wait_readable(ours)
-                    event = self._recv_one()
-                    if event is None:
+                    frame = self._recv_frame()
+                    if frame is None:
                         break
-                    if event.get("ev") == "ready":
-                        self.pid = int(event["pid"])
-                        self.subreaper = bool(event.get("subreaper"))
+                    if not frame:
+                        continue
+                    try:
+                        report = decode_report(frame)
+                    except ProtocolViolation as exc:
+                        malformed = exc
+                        break
+                    if type(report) is ReadyReport:
+                        self.pid = report.pid
+                        self.subreaper = report.subreaper
                         return
         except BaseException:  # cancelled, or closed under it: leave nothing behind
             await self.aclose()
             raise
+        if malformed is not None:
+            self._kill()
+            await self.aclose()
+            raise WorkerStartError(_malformed(malformed))
         await self.aclose()
         raise WorkerStartError("the pool's reaper process did not start")
 
-    def _recv_one(self) -> Event | None:
+    def _recv_frame(self) -> bytes | None:
+        """The next datagram: b"" if none is there yet, None once the socket is closed."""
         if self._sock is None:  # closed by aclose() while the pump was being woken
             return None
         try:
             data = self._sock.recv(1 << 16)
         except BlockingIOError:
-            return {}
+            return b""
         except OSError:
             return None
-        if not data:
-            return None
-        event: Event = json.loads(data)
-        return event
+        return data or None
+
+    def _kill(self) -> None:
+        """End a reaper that broke the protocol: it cannot be trusted to serve, nor to end
+        well. Its workers die with it (PDEATHSIG); the pool ends what they left, as when a
+        reaper dies (``docs/protocol.md`` §9)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
 
     async def run(self) -> None:
         """Deliver events until the reaper says goodbye or goes away."""
@@ -173,31 +210,38 @@ class ReaperClient:
                 except (anyio.ClosedResourceError, OSError):
                     return
                 while True:
-                    event = self._recv_one()
-                    if event is None:
+                    frame = self._recv_frame()
+                    if frame is None:
                         self._bye = True
-                        self._on_event({"ev": "lost"})
+                        self._on_event(LostReport())
                         return
-                    if not event:
+                    if not frame:
                         break
-                    kind = event.get("ev")
-                    if kind == "bye":
+                    try:
+                        report = decode_report(frame)
+                    except ProtocolViolation as exc:
+                        self._bye = True
+                        self._kill()
+                        _log.error("%s; it was killed", _malformed(exc))
+                        self._on_event(LostReport(_malformed(exc)))
+                        return
+                    if type(report) is ByeReport:
                         self._bye = self.said_bye = True
-                        self.unfinished = [str(p) for p in event.get("unfinished") or []]
-                        self.failed = [str(f) for f in event.get("failed") or []]
-                        self.unkillable = [int(p) for p in event.get("unkillable") or []]
-                    elif kind in ("cleanup_pending", "cleanup_done"):
-                        _log_cleanup(event)  # the client's own: the pool needs none of it
-                        self._track(event)
+                        self.unfinished = list(report.unfinished)
+                        self.failed = list(report.failed)
+                        self.unkillable = list(report.unkillable)
+                    elif type(report) is CleanupPendingReport or type(report) is CleanupDoneReport:
+                        _log_cleanup(report)  # the client's own: the pool needs none of it
+                        self._track(report)
                         continue
-                    self._on_event(event)
+                    self._on_event(report)
         finally:
             self._pump_done.set()
             self._wake_removed()
 
-    def _track(self, event: Event) -> None:
-        path = str(event.get("path"))
-        if event["ev"] == "cleanup_pending":
+    def _track(self, report: CleanupPendingReport | CleanupDoneReport) -> None:
+        path = report.path
+        if type(report) is CleanupPendingReport:
             self.removing.add(path)
         elif path in self.removing:
             self.removing.discard(path)
@@ -216,12 +260,12 @@ class ReaperClient:
                 self._removed = anyio.Event()
             await self._removed.wait()
 
-    def send(self, **command: Any) -> None:
-        """Send a command; a reaper that is gone is reported through the event stream."""
+    def send(self, command: ReaperCommand) -> None:
+        """Send a command; a reaper that is gone is reported through the report stream."""
         if self._sock is None:
             return
         try:
-            self._sock.send(json.dumps(command).encode())
+            self._sock.send(encode_reaper(command))
         except OSError:
             pass
 
@@ -248,47 +292,48 @@ class ReaperClient:
         (``fork_unavailable`` says why not, and the worker is spawned instead).
         """
         self.send(
-            op="spawn",
-            start=start,
-            wid=wid,
-            argv=argv,
-            env=env,
-            cwd=cwd,
-            stdin=stdin.decode(),
-            output=output,
-            cgroup=cgroup,
-            cleanup=cleanup or [],
-            groups=groups or [],
+            SpawnCommand(
+                wid,
+                tuple(argv),
+                env,
+                stdin.decode(),
+                output,
+                cwd,
+                cgroup,
+                tuple(groups or ()),
+                tuple(cleanup or ()),
+                start,
+            )
         )
 
     def preload(self, paths: list[str]) -> None:
         """Have the reaper import the worker's modules now (the template workers are forked
         from), from ``paths`` (the workers' ``PYTHONPATH``); answered by ``preloaded``."""
-        self.send(op="preload", paths=paths)
+        self.send(PreloadCommand(tuple(paths)))
 
     def signal_tree(self, wid: int, sig: int) -> None:
         """Send ``sig`` to the worker and every descendant."""
-        self.send(op="signal", wid=wid, sig=int(sig))
+        self.send(SignalCommand(wid, int(sig)))
 
     def own(self, paths: list[str]) -> None:
         """Hand the pool's directories to the reaper: it removes them when it exits, so they
         do not outlive a supervisor that was killed."""
-        self.send(op="own", paths=paths)
+        self.send(OwnCommand(tuple(paths)))
 
     def clean(self, wid: int) -> None:
         """Kill the worker's descendants (not the worker); answered by ``cleaned``."""
-        self.send(op="clean", wid=wid)
+        self.send(CleanCommand(wid))
 
     def kill_tree(self, wid: int) -> None:
         """Freeze the worker, SIGKILL its descendants until none is left, then SIGKILL it."""
-        self.send(op="kill", wid=wid)
+        self.send(KillCommand(wid))
 
     async def aclose(self) -> None:
         """Ask the reaper to kill whatever is left and exit; wait until it has, or until it
         said goodbye with directories left to remove (it stays on to remove them: see
         :attr:`unfinished`, :attr:`lingering_pid`). What did not die of its SIGKILL within
         EXIT_KILL_WAIT is named in :attr:`unkillable`."""
-        self.send(op="exit", cleanup_budget=EXIT_CLEANUP_BUDGET, kill_wait=EXIT_KILL_WAIT)
+        self.send(ExitCommand(EXIT_CLEANUP_BUDGET, EXIT_KILL_WAIT))
         proc, self._proc = self._proc, None
         try:
             # Shielded, and bounded: a cancelled caller must not leave the process or its
@@ -335,24 +380,23 @@ async def _wait_exit(proc: subprocess.Popen[bytes]) -> None:
     await anyio.to_thread.run_sync(proc.wait, abandon_on_cancel=True)
 
 
-def _log_cleanup(event: dict[str, Any]) -> None:
-    where = f"worker {event['wid']}'s" if event.get("wid") is not None else "the pool's"
-    if event.get("ev") == "cleanup_pending":
+def _malformed(violation: ProtocolViolation) -> str:
+    return f"the pool's reaper process sent a malformed report: {violation}"
+
+
+def _log_cleanup(report: CleanupPendingReport | CleanupDoneReport) -> None:
+    where = f"worker {report.wid}'s" if report.wid is not None else "the pool's"
+    if type(report) is CleanupPendingReport:
         _log.info(
             "%s directory %s: %s entries removed, removing the rest in the background",
             where,
-            event.get("path"),
-            event.get("removed"),
+            report.path,
+            report.removed,
         )
-    elif event.get("finished"):
-        _log.info(
-            "%s directory %s is removed (%s entries)",
-            where,
-            event.get("path"),
-            event.get("removed"),
-        )
-    else:
-        _log.error("%s directory could not be removed: %s", where, event.get("error"))
+    elif type(report) is CleanupDoneReport and report.finished:
+        _log.info("%s directory %s is removed (%s entries)", where, report.path, report.removed)
+    elif type(report) is CleanupDoneReport:
+        _log.error("%s directory could not be removed: %s", where, report.error)
 
 
 async def finish_cleanup(path: str | None, reaper: ReaperClient | None) -> CloseReport:

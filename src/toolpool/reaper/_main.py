@@ -25,7 +25,11 @@ to it instead of to PID 1. It
   is left after :data:`EXIT_CLEANUP_BUDGET` is named in ``bye`` and the reaper stays on until
   it is removed.
 
-Messages are JSON objects, one per SOCK_SEQPACKET datagram. See docs/pool.md and docs/protocol.md.
+Messages are JSON objects, one per SOCK_SEQPACKET datagram: the typed commands and reports of
+``toolpool/protocol/_reaper.py``, loaded by path (with the ``_checks.py`` it imports) under a
+stand-in package name, so that neither toolpool's ``protocol/__init__`` (msgpack) nor the
+supervisor is imported. A command that breaks the protocol ends the reaper (below, ``refused``).
+See docs/pool.md and docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from __future__ import annotations
 import collections
 import importlib
 import importlib.util
-import json
 import os
 import select
 import signal
@@ -48,6 +51,8 @@ import time
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, NoReturn
+
+    from toolpool.protocol._reaper import ReaperReport, SpawnCommand
 
 #: toolpool's package directory (this file is toolpool/reaper/_main.py).
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
@@ -65,6 +70,19 @@ def _load(name: str, package: str = "sandbox") -> Any:
     return module
 
 
+def _load_protocol() -> Any:
+    """toolpool/protocol/_reaper.py, and the ``_checks.py`` it imports, as modules of a
+    stand-in package (whose ``__init__`` is never run: toolpool.protocol's imports msgpack)."""
+    name = "_toolpool_protocol"
+    spec = importlib.util.spec_from_loader(name, None, is_package=True)
+    assert spec is not None
+    package = importlib.util.module_from_spec(spec)
+    package.__path__ = [os.path.join(_PACKAGE, "protocol")]
+    sys.modules[name] = package
+    return importlib.import_module(f"{name}._reaper")
+
+
+proto = _load_protocol()
 cgroups = _load("_cgroups")
 linux = _load("_linux")
 remove = _load("_remove")
@@ -124,13 +142,12 @@ class Template:
         finally:
             sys.path[:] = saved
 
-    def unusable(self, msg: dict[str, Any]) -> str | None:
+    def unusable(self, msg: SpawnCommand) -> str | None:
         """Why the worker ``msg`` asks for cannot be forked (None: it can)."""
-        argv = msg.get("argv") or []
-        if argv[:3] != [sys.executable, "-m", "toolpool.worker"]:
+        if msg.argv[:3] != (sys.executable, "-m", "toolpool.worker"):
             return "not a toolpool worker of this interpreter"
-        env = msg.get("env") or {}
-        self.load(str(env.get("PYTHONPATH", "")).split(os.pathsep))
+        env = msg.env or {}
+        self.load(env.get("PYTHONPATH", "").split(os.pathsep))
         if self.module is None:
             return f"the template did not load ({self.error})"
         threads = len(os.listdir("/proc/self/task"))
@@ -151,7 +168,7 @@ class Reaper:
         self.stuck: set[int] = set()  # wids whose cgroup would not empty yet
         self.killing: set[int] = set()  # wids killed, not reaped yet (one kill per worker)
         # wid -> the exit of a reaped worker not reported yet (reported with its 'gone')
-        self.exits: dict[int, dict[str, Any]] = {}
+        self.exits: dict[int, Any] = {}  # (ExitedReport)
         # Killed orphans that did not die (uninterruptible sleep): pid -> the wids whose
         # trees they may be of (those that died when they were orphaned). Our children
         # until reaped, so their pids are not reused.
@@ -162,81 +179,84 @@ class Reaper:
         self.failed: list[str] = []  # removals that ended with something left, and why
         self.exit_budget = EXIT_CLEANUP_BUDGET
         self.closing = False
+        self.refused: str | None = None  # why a command broke the protocol (the end)
         self.template = Template()
 
     # ---- messages
 
-    def send(self, **event: Any) -> None:
+    def send(self, report: ReaperReport) -> None:
         try:
-            self.sock.send(json.dumps(event).encode())
+            self.sock.send(proto.encode_reaper(report))
         except OSError:
             self.closing = True
 
-    def handle(self, msg: dict[str, Any]) -> None:
-        op = msg.get("op")
+    def handle(self, msg: Any) -> None:
+        """Do what command ``msg`` (a ``ReaperCommand``, decoded: every field checked) asks."""
+        op = msg.TYPE
         if op == "spawn":
             self.spawn(msg)
         elif op == "signal":
-            self.signal_tree(int(msg["wid"]), int(msg["sig"]))
+            self.signal_tree(msg.wid, msg.sig)
         elif op == "kill":
-            self.kill_worker(int(msg["wid"]))
+            self.kill_worker(msg.wid)
         elif op == "clean":
-            self.clean(int(msg["wid"]))
+            self.clean(msg.wid)
         elif op == "preload":
-            self.template.load([str(p) for p in msg.get("paths", [])])
-            self.send(ev="preloaded", error=self.template.error)
+            self.template.load(list(msg.paths))
+            self.send(proto.PreloadedReport(self.template.error))
         elif op == "own":
             # (Sent again as providers come: each directory once, or its removal is too.)
-            self.owned.extend(p for p in map(str, msg.get("paths", [])) if p not in self.owned)
+            owned = self.owned
+            owned.extend(p for p in msg.paths if p not in owned)
         elif op == "exit":
             self.closing = True
-            self.exit_budget = float(msg.get("cleanup_budget", EXIT_CLEANUP_BUDGET))
-            self.exit_kill_wait = float(msg.get("kill_wait", EXIT_KILL_WAIT))
+            self.exit_budget = msg.cleanup_budget
+            self.exit_kill_wait = msg.kill_wait
 
     # ---- spawning
 
-    def spawn(self, msg: dict[str, Any]) -> None:
-        wid = int(msg["wid"])
-        if msg.get("start") == "fork":
+    def spawn(self, msg: SpawnCommand) -> None:
+        wid = msg.wid
+        if msg.start == "fork":
             why = self.template.unusable(msg)
             if why is None:
                 self.fork(msg)
                 return
-            self.send(ev="fork_unavailable", wid=wid, reason=why)
+            self.send(proto.ForkUnavailableReport(wid, why))
         import subprocess
 
-        output = None if msg.get("output") == "inherit" else subprocess.DEVNULL
+        output = None if msg.output == "inherit" else subprocess.DEVNULL
         try:
             proc = subprocess.Popen(
-                msg["argv"],
+                msg.argv,
                 stdin=subprocess.PIPE,
                 stdout=output,
                 stderr=output,
-                env=msg.get("env"),
-                cwd=msg.get("cwd"),
+                env=msg.env,
+                cwd=msg.cwd,
                 start_new_session=True,
                 close_fds=True,
             )
-        except OSError as exc:
-            self.send(ev="spawn_failed", wid=wid, error=f"{type(exc).__name__}: {exc}")
+        except (OSError, ValueError) as exc:  # (ValueError: a NUL in an argument, say)
+            self.send(proto.SpawnFailedReport(wid, f"{type(exc).__name__}: {exc}"))
             return
         self._record(wid, proc.pid, msg)
         assert proc.stdin is not None
         try:
-            proc.stdin.write(msg["stdin"].encode())
+            proc.stdin.write(msg.stdin.encode())
             proc.stdin.close()
         except OSError:
             pass  # it died at once; the exit is reported as usual
         # Popen's own bookkeeping must not reap behind our back: we reap with waitpid(-1).
         proc.returncode = 0
-        self.send(ev="spawned", wid=wid, pid=proc.pid, method="spawn")
+        self.send(proto.SpawnedReport(wid, proc.pid, "spawn"))
 
-    def fork(self, msg: dict[str, Any]) -> None:
+    def fork(self, msg: SpawnCommand) -> None:
         """Start the worker ``msg`` asks for as a fork of this process (the template)."""
-        wid = int(msg["wid"])
+        wid = msg.wid
         stdin_r, stdin_w = os.pipe()
         try:
-            os.write(stdin_w, msg["stdin"].encode())  # a line, far below the pipe's buffer
+            os.write(stdin_w, msg.stdin.encode())  # a line, far below the pipe's buffer
         finally:
             os.close(stdin_w)
         for stream in (sys.stdout, sys.stderr):
@@ -250,25 +270,25 @@ class Reaper:
         except OSError as exc:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             os.close(stdin_r)
-            self.send(ev="spawn_failed", wid=wid, error=f"{type(exc).__name__}: {exc}")
+            self.send(proto.SpawnFailedReport(wid, f"{type(exc).__name__}: {exc}"))
             return
         if pid == 0:
             self._become_worker(msg, stdin_r, reaper)  # never returns
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(stdin_r)
         self._record(wid, pid, msg)
-        self.send(ev="spawned", wid=wid, pid=pid, method="fork")
+        self.send(proto.SpawnedReport(wid, pid, "fork"))
 
-    def _record(self, wid: int, pid: int, msg: dict[str, Any]) -> None:
+    def _record(self, wid: int, pid: int, msg: SpawnCommand) -> None:
         """A worker started: remember it, its cgroups (ours, never a path the worker could
         write) and what to remove once its tree is gone."""
         self.workers[pid] = wid
-        if msg.get("cgroup"):
-            self.kill_dirs[wid] = msg["cgroup"]
-        self.groups[wid] = [str(d) for d in msg.get("groups") or []]
-        self.cleanup[wid] = list(msg.get("cleanup") or [])
+        if msg.cgroup:
+            self.kill_dirs[wid] = msg.cgroup
+        self.groups[wid] = list(msg.groups)
+        self.cleanup[wid] = list(msg.cleanup)
 
-    def _become_worker(self, msg: dict[str, Any], stdin_r: int, reaper: int) -> NoReturn:
+    def _become_worker(self, msg: SpawnCommand, stdin_r: int, reaper: int) -> NoReturn:
         """In the forked child: reset what ``subprocess`` would (file descriptors, signals,
         session, working directory), then run the worker; never return into the reaper."""
         try:
@@ -279,19 +299,21 @@ class Reaper:
             # keeps an ignored SIGINT at start-up (so ^C never reaches a worker either way).
             self.sock.detach()  # closed below with every other inherited descriptor
             os.dup2(stdin_r, 0)
-            if msg.get("output") != "inherit":
+            if msg.output != "inherit":
                 null = os.open(os.devnull, os.O_RDWR)
                 os.dup2(null, 1)
                 os.dup2(null, 2)
             os.closerange(3, os.sysconf("SC_OPEN_MAX"))
             os.setsid()
-            if msg.get("cwd"):
-                os.chdir(msg["cwd"])
+            if msg.cwd:
+                os.chdir(msg.cwd)
             set_cmdline(["python -m toolpool.worker", "--parent-pid", str(reaper)])
             signal.pthread_sigmask(signal.SIG_SETMASK, set())
-            env = msg.get("env")
+            env = msg.env
             self.template.module.run(
-                msg["argv"][3:], dict(os.environ) if env is None else env, self.template.base_path
+                list(msg.argv[3:]),
+                dict(os.environ) if env is None else env,
+                self.template.base_path,
             )
         finally:
             os._exit(EXIT_SETUP_FAILED)
@@ -356,7 +378,7 @@ class Reaper:
                     signalled.add(proc)
                     trees.signal_proc(proc, signal.SIGKILL)
                 self.reap()  # ours (re-parented ones) must leave the cgroup too
-        self.send(ev="cleaned", wid=wid, count=len(killed))
+        self.send(proto.CleanedReport(wid, len(killed)))
 
     def _pid_of(self, wid: int) -> int | None:
         for pid, w in self.workers.items():
@@ -389,7 +411,7 @@ class Reaper:
         # Read now: the cgroup is removed once the tree is gone, maybe before the supervisor
         # handles this report.
         ooms = cgroups.oom_kills(self.groups.get(wid, ())) if code == -9 else 0
-        self.exits[wid] = {"wid": wid, "pid": pid, "status": code, "oom_kills": ooms}
+        self.exits[wid] = proto.ExitedReport(wid, pid, code, ooms)
         self.pending_gone.append(wid)
         kill_dir = self.kill_dirs.get(wid)
         if kill_dir is not None:
@@ -399,7 +421,7 @@ class Reaper:
         """Report the exits not reported yet, without waiting for their trees' ends."""
         exits, self.exits = self.exits, {}
         for report in exits.values():
-            self.send(ev="exited", **report)
+            self.send(report)
 
     def kill_orphans(self) -> None:
         """Kill and reap every child that is not a live worker; then report trees gone.
@@ -439,12 +461,15 @@ class Reaper:
             report = self.exits.pop(wid, None)
             if self.barrier(wid) and not self._lingers(wid):
                 # Exited and gone: one report (with the exit, unless that went before).
-                self.send(ev="gone", **(report or {"wid": wid}))
+                if report is None:
+                    self.send(proto.GoneReport(wid))
+                else:
+                    self.send(proto.GoneReport(wid, report.pid, report.status, report.oom_kills))
             else:  # never report a tree gone that is not: retry from the main loop
                 if report is not None:
-                    self.send(ev="exited", **report)
+                    self.send(report)
                 self.stuck.add(wid)
-                self.send(ev="stuck", wid=wid, pids=self._lingering_of(wid))
+                self.send(proto.StuckReport(wid, tuple(self._lingering_of(wid))))
 
     def _lingers(self, wid: int) -> bool:
         return any(wid in wids for wids in self.lingering.values())
@@ -456,7 +481,7 @@ class Reaper:
         for wid in list(self.stuck):
             if not self._lingers(wid) and self.barrier(wid, wait=False):
                 self.stuck.discard(wid)
-                self.send(ev="gone", wid=wid)
+                self.send(proto.GoneReport(wid))
 
     def barrier(self, wid: int, *, wait: bool = True) -> bool:
         """The worker is reaped and no orphan is left: empty its cgroup, remove its dirs.
@@ -493,7 +518,7 @@ class Reaper:
             self._removal_done(wid, removal, pending=False)
             return
         self.removals.append((wid, removal))
-        self.send(ev="cleanup_pending", wid=wid, path=path, removed=removal.removed)
+        self.send(proto.CleanupPendingReport(wid, path, removal.removed))
 
     def work_removals(self, budget: float) -> None:
         """Go on with the oldest unfinished removal for at most ``budget`` seconds."""
@@ -508,14 +533,11 @@ class Reaper:
         if not removal.finished and len(self.failed) < 20:
             self.failed.append(removal.summary())
         if pending or not removal.finished:
-            self.send(
-                ev="cleanup_done",
-                wid=wid,
-                path=removal.path,
-                removed=removal.removed,
-                finished=removal.finished,
-                error=None if removal.finished else removal.summary(),
+            error = None if removal.finished else removal.summary()
+            report = proto.CleanupDoneReport(
+                wid, removal.path, removal.removed, removal.finished, error
             )
+            self.send(report)
 
     def _reap_orphans(self, orphans: list[int], deadline: float) -> list[int]:
         """Reap the (killed) orphans, waiting until ``deadline`` at most (on their pidfds:
@@ -554,7 +576,7 @@ class Reaper:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides, not a ^C
-        self.send(ev="ready", pid=os.getpid(), subreaper=self.subreaper)
+        self.send(proto.ReadyReport(os.getpid(), self.subreaper))
         poller = select.poll()
         poller.register(self.sock, select.POLLIN)
         poller.register(rfd, select.POLLIN)
@@ -591,7 +613,16 @@ class Reaper:
             if not data:
                 self.closing = True
                 return
-            self.handle(json.loads(data))
+            try:
+                command = proto.decode_command(data)
+            except proto.ProtocolViolation as exc:
+                # A supervisor that breaks the protocol cannot be served: end as if it were
+                # gone, but leave the pool's directories (the pool may go on with a new
+                # reaper) and say no 'bye' (the client reports the reaper lost).
+                self.refused = str(exc)
+                self.closing = True
+                return
+            self.handle(command)
 
     def _on_term(self, signum: int, frame: Any) -> None:
         self.closing = True
@@ -616,6 +647,9 @@ class Reaper:
                 self._exited(wid, pid, os.waitstatus_to_exitcode(status))
         self.kill_orphans()
         self.unkillable = self._alive_left()
+        if self.refused is not None:
+            print(f"toolpool's reaper: a malformed command: {self.refused}", file=sys.stderr)
+            return
         # If the supervisor died, nobody else will remove the pool's directories.
         dirs = []
         for path in reversed(self.owned):
@@ -638,13 +672,8 @@ class Reaper:
         for path in trees:
             self.removals.append((None, remove.Removal(path)))
         self.work_removals(self.exit_budget)
-        left = [removal.path for _, removal in self.removals]
-        news: dict[str, Any] = {"unfinished": left} if left else {}  # (plain: nothing left)
-        if self.failed:
-            news["failed"] = self.failed
-        if self.unkillable:
-            news["unkillable"] = self.unkillable
-        self.send(ev="bye", **news)
+        left = tuple(removal.path for _, removal in self.removals)
+        self.send(proto.ByeReport(left, tuple(self.failed), tuple(self.unkillable)))
         while self.removals:  # nobody waits for us now: no slices, no budget
             _wid, removal = self.removals.popleft()
             removal.step(None)
@@ -722,6 +751,8 @@ def main() -> None:
     except BaseException:
         reaper.shutdown()
         raise
+    if reaper.refused is not None:
+        sys.exit(2)
 
 
 if __name__ == "__main__":

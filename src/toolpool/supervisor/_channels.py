@@ -24,6 +24,17 @@ import zmq
 
 from .._transport import fd_of, on_readable, readable
 from ..protocol import ProtocolViolation, decode_from_worker
+from ..protocol._reaper import (
+    CleanedReport,
+    ExitedReport,
+    ForkUnavailableReport,
+    GoneReport,
+    LostReport,
+    ReaperReport,
+    SpawnedReport,
+    SpawnFailedReport,
+    StuckReport,
+)
 from ..reaper import ReaperClient
 from ..sandbox import Profile
 from ._containment import warn_inactive_layers
@@ -291,39 +302,45 @@ class Channels:
 
     # ------------------------------------------------------------------ the reaper
 
-    def _on_reaper_event(self, event: dict[str, Any]) -> None:
-        kind = event.get("ev")
+    def _on_reaper_event(self, report: ReaperReport) -> None:
+        """One report of the reaper (decoded and checked by its client), to the core."""
         core = self._core
         now = time.monotonic()
-        if kind == "lost":
-            if not self._reaper_closing:
-                core.reaper_lost(now)
-            self._pump()
-            return
-        wid = int(event.get("wid", 0))
-        io = self._io.get(wid)
-        if kind == "spawned":
-            core.spawned(wid, int(event["pid"]), str(event.get("method", "spawn")), now)
-        elif kind == "fork_unavailable":
-            if not self._fork_warned:
-                self._fork_warned = True
-                _log.warning("workers are spawned, not forked: %s", event.get("reason"))
-        elif kind == "spawn_failed":
-            core.spawn_failed(wid, str(event.get("error")), now)
-        elif kind == "exited":
-            if io is not None:
-                self._read(io)  # its 'fatal' may already be here
-            core.exited(wid, int(event["status"]), int(event.get("oom_kills", 0)), now)
-        elif kind == "gone":
+        kind = type(report)
+        if kind is GoneReport:
+            gone = cast(GoneReport, report)
+            io = self._io.get(gone.wid)
             if io is not None:
                 self._read(io)  # what it sent before it died counts
-            if "status" in event:  # exited and gone: one report
-                core.exited(wid, int(event["status"]), int(event.get("oom_kills", 0)), now)
-            core.gone(wid, now)
-        elif kind == "cleaned":
-            core.cleaned(wid, int(event.get("count", 0)), now)
-        elif kind == "stuck":
+            if gone.status is not None:  # exited and gone: one report
+                core.exited(gone.wid, gone.status, gone.oom_kills or 0, now)
+            core.gone(gone.wid, now)
+        elif kind is SpawnedReport:
+            spawned = cast(SpawnedReport, report)
+            core.spawned(spawned.wid, spawned.pid, spawned.method, now)
+        elif kind is ExitedReport:
+            exited = cast(ExitedReport, report)
+            io = self._io.get(exited.wid)
+            if io is not None:
+                self._read(io)  # its 'fatal' may already be here
+            core.exited(exited.wid, exited.status, exited.oom_kills, now)
+        elif kind is CleanedReport:
+            cleaned = cast(CleanedReport, report)
+            core.cleaned(cleaned.wid, cleaned.count, now)
+        elif kind is SpawnFailedReport:
+            failed = cast(SpawnFailedReport, report)
+            core.spawn_failed(failed.wid, failed.error, now)
+        elif kind is ForkUnavailableReport:
+            if not self._fork_warned:
+                self._fork_warned = True
+                reason = cast(ForkUnavailableReport, report).reason
+                _log.warning("workers are spawned, not forked: %s", reason)
+        elif kind is StuckReport:
+            wid = cast(StuckReport, report).wid
             _log.error("worker %s: its cgroup would not empty; still trying", wid)
+        elif kind is LostReport and not self._reaper_closing:
+            core.reaper_lost(now, error=cast(LostReport, report).error)
+        # (ReadyReport is the client's start; PreloadedReport and ByeReport need nothing here.)
         self._pump()
 
     async def _end_orphan(self, wid: int) -> None:

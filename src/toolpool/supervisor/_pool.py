@@ -407,12 +407,16 @@ class Pool(Channels, Hosting):
         tg, self._tg = self._tg, None
         for task_scope in list(self._task_scopes):
             task_scope.cancel()
-        if tg is not None:
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(None, None, None)
-        self._state = "closed"
-        if self._closed_event is not None:
-            self._closed_event.set()
+        try:
+            if tg is not None:
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)
+        finally:
+            # Closed even if a task of the pool failed (its error is raised here): a later
+            # aclose() must not wait for a close that already ended.
+            self._state = "closed"
+            if self._closed_event is not None:
+                self._closed_event.set()
 
     async def _teardown(self) -> None:
         core = self._core

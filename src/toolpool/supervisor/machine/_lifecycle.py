@@ -565,18 +565,20 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ the reaper's death
 
-    def reaper_lost(self) -> None:
-        """The reaper died. Its workers die with it (PDEATHSIG), their descendants may not:
-        the shell ends each tree itself (``Orphaned``) and reports it gone, saying whether
-        that was verified. No call settles before. Then a new reaper starts (C4.3, C4.6)."""
+    def reaper_lost(self, error: str | None = None) -> None:
+        """The reaper died (or was killed for ``error``: it broke the protocol). Its workers
+        die with it (PDEATHSIG), their descendants may not: the shell ends each tree itself
+        (``Orphaned``) and reports it gone, saying whether that was verified. No call settles
+        before. Then a new reaper starts (C4.3, C4.6)."""
         if not self.s.reaper_up:
             return
         self.s.reaper_up = False
         if self.s.starting and self.s.broken is None:
-            self.s.broken = WorkerStartError("the pool's reaper process went away")
+            self.s.broken = WorkerStartError(error or "the pool's reaper process went away")
             self.settlement.fail_queues()
         _log.error(
-            "the pool's reaper process died; ending its workers' trees without it%s",
+            "the pool's reaper process %s; ending its workers' trees without it%s",
+            "died" if error is None else "was killed (it broke the protocol)",
             "" if self.s.closing or self.s.broken else ", then starting a new one",
         )
         for w in list(self.s.workers.values()):

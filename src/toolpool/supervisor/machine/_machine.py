@@ -266,9 +266,10 @@ class Machine:
         if w is not None:
             self.lifecycle.on_cleaned(w, count)
 
-    def reaper_lost(self, now: float) -> None:
+    def reaper_lost(self, now: float, *, error: str | None = None) -> None:
+        """The reaper went away; ``error``: why, when the client knows (it broke the protocol)."""
         self.s.now = now
-        self.lifecycle.reaper_lost()
+        self.lifecycle.reaper_lost(error)
 
     def reaper_ready(self, now: float) -> None:
         self.s.now = now
