@@ -137,14 +137,17 @@ def _compiled(prompt: str, test: str) -> tuple[CodeType, CodeType]:
 
 
 def _where(exc: BaseException, test: str) -> str:
-    """``line N of the test: <code>`` for the deepest frame of the test's code, or ''."""
+    """``line N of the test: <code>`` for the deepest frame of the test's code, or ''.
+    (From the traceback's frames and the test's own text: no source file is read.)"""
+    found = 0
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        if frame.f_code.co_filename == TEST_FILE and lineno:
+            found = lineno
+    if not found:
+        return ""
     lines = test.splitlines()
-    where = ""
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if frame.filename == TEST_FILE and frame.lineno:
-            code = lines[frame.lineno - 1].strip() if frame.lineno <= len(lines) else ""
-            where = f" at line {frame.lineno} of the test: {code[:160]}"
-    return where
+    code = lines[found - 1].strip() if found <= len(lines) else ""
+    return f" at line {found} of the test: {code[:160]}"
 
 
 def _jail_problem(report: dict[str, Any], inherited: list[str]) -> str | None:
