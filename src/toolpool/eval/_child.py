@@ -3,16 +3,20 @@
 This module is not imported by toolpool's own processes for its work; the worker starts the
 zygote as ``python -I -S -c BOOT`` (see ``_zygote.py``), which loads this file, ``_wire.py``
 and the sandbox's ``_landlock.py``/``_linux.py`` by path (no ``toolpool`` package, no
-site-packages), imports the modules completions commonly use, and then waits for requests on
-a unix socket from its worker. For each request it forks a child, which:
+site-packages), imports the modules completions commonly use, runs one trivial sample
+through the runner itself (:func:`_rehearse`), builds the Landlock ruleset of its worker's
+scratch directory, and then waits for requests on a unix socket from its worker. For each
+request it forks a child, which:
 
 1. leaves the zygote's socket and session behind (``setsid``), asks for SIGKILL should the
-   zygote die, and changes to its empty scratch directory;
+   zygote die, and changes to the scratch directory (empty: the worker empties it between
+   samples);
 2. confines itself for good: rlimits (address space, CPU seconds, file size, open files, no
-   core dumps) and Landlock (it may read only the standard library and the system's shared
-   libraries, write only its directory, make no TCP connection; ABI 6+: signal no process and
-   reach no abstract socket outside). It has no capabilities and no new privileges already:
-   the zygote dropped them for itself once, at its start, and every fork inherits that;
+   core dumps) and Landlock, applying the zygote's ruleset to itself and closing it (it may
+   read only the standard library and the system's shared libraries, write only its
+   directory, make no TCP connection; ABI 6+: signal no process and reach no abstract socket
+   outside its own domain). It has no capabilities and no new privileges already: the
+   zygote dropped them for itself once, at its start, and every fork inherits that;
 3. reports what it did on its reply pipe; only then does the worker send the source (the
    problem's prompt and the completion) and the name of the function;
 4. answers one call per request line, ``{"n", "args", "kwargs"}``, with ``{"n", "value"}``,

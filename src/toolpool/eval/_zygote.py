@@ -1,15 +1,17 @@
 """The worker's side of the jail: the zygote it keeps warm, and one child per sample.
 
-The zygote is started once per worker process (on its first sample) as ``python -I -S -c
-BOOT``: a fresh interpreter that never saw a problem's tests, with ``_child.py`` and the
-modules completions commonly use loaded. For each sample the worker hands it two pipes over
-a unix socket; it forks a child that jails itself and runs the completion (``_child.py``).
-No interpreter starts per sample.
+The zygote is started once per worker process (as the worker loads its tools, or on its
+first sample) as ``python -I -S -c BOOT``: a fresh interpreter that never saw a problem's
+tests, with ``_child.py`` and the modules completions commonly use loaded. For each sample
+the worker hands it two pipes over a unix socket; it forks a child that jails itself and
+runs the completion (``_child.py``) in the worker's scratch directory, which the worker
+empties once the sample's processes are gone. No interpreter starts per sample.
 
 When a sample ends, however it ends, :meth:`Child.close` kills the child's session, asks the
 zygote to reap the child (its parent), then kills and reaps every process below the worker
 that was not there before the sample: a daemon that left the child's session with ``setsid``
-and a double fork is reparented to the worker, which in a pool is a child subreaper.
+and a double fork is reparented to the worker, which in a pool is a child subreaper. Then
+the checker empties the scratch directory (:meth:`Zygote.empty`).
 """
 
 from __future__ import annotations
