@@ -263,10 +263,13 @@ def check_sample(
                 child.close()
         finally:
             wake.close()
-            # Every process of the sample is gone: empty the directory for the next one
-            # (a zygote whose directory cannot be emptied is replaced, directory and all).
-            if zygote is not None and not zygote.empty() and zygote is _zygote:
-                _stop_zygote()
+            # Every process of the sample is gone: empty the directory for the next one. A
+            # zygote whose directory cannot be emptied, or that a process of the sample may
+            # still write to (it outlived the kill), is replaced, directory and all.
+            if zygote is not None and zygote is _zygote:
+                clean = child is not None and child.clean
+                if not (clean and zygote.empty()):
+                    _stop_zygote()
     execution.signal.raise_if_cancelled()  # cancelled: the call ends aborted (or timeout)
     return verdict
 

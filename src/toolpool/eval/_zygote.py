@@ -225,6 +225,8 @@ class Child:
         self.before = set(below(os.getpid()))
         self.status: int | None = None
         """The child's wait status, once :meth:`close` reaped it."""
+        self.clean = False
+        """Whether :meth:`close` saw every process of the sample gone."""
         self._closed = False
         request_r, self._request = os.pipe()
         self._reply, reply_w = os.pipe()
@@ -319,7 +321,7 @@ class Child:
             pass  # this process (a subreaper in a pool), and the loop below reaps it
         finally:
             os.close(self._pidfd)
-            kill_new_processes(self.before)
+            self.clean = kill_new_processes(self.before)
 
 
 class Wake:
@@ -398,9 +400,10 @@ def _parent(pid: int) -> int | None:
     return int(stat[stat.rindex(b")") + 2 :].split()[1])  # after "pid (comm) state"
 
 
-def kill_new_processes(before: set[int]) -> None:
+def kill_new_processes(before: set[int]) -> bool:
     """SIGKILL every process below this one that is not in ``before``, and reap those that
-    are this process's own (orphans reparented to it included), until none is left.
+    are this process's own (orphans reparented to it included), until none is left. False
+    if some were still there after :data:`KILL_PATIENCE` seconds.
 
     Each process is pinned with a pidfd before it is signalled, and signalled only if it is
     still in the tree then: a pid reused meanwhile names someone else's process."""
@@ -430,5 +433,7 @@ def kill_new_processes(before: set[int]) -> None:
                     os.waitpid(pid, 0)
                 except ChildProcessError:
                     pass
-        if not found or time.monotonic() > give_up:
-            return
+        if not found:
+            return True
+        if time.monotonic() > give_up:
+            return False
