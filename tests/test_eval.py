@@ -533,7 +533,8 @@ async def test_an_incomplete_jail_runs_nothing_unless_allowed(
 
 
 #: A first sample that leaves all it can in its directory: files, a link, a fifo, nested
-#: directories it made unreadable or unwritable, and the directory itself read-only.
+#: directories it made unreadable or unwritable, an extended attribute, and the directory
+#: itself read-only.
 _LITTERS = """
 import os
 os.makedirs("a/b/c")
@@ -547,6 +548,10 @@ with open("locked/inside", "w") as f:
     f.write("secret")
 os.chmod("locked", 0)
 os.chmod("a/b", 0o500)
+try:
+    os.setxattr(".", "user.note", b"secret")
+except OSError:
+    pass  # (a filesystem without user attributes)
 os.chmod(".", 0o500)
 
 def look():
@@ -557,7 +562,7 @@ _LOOKS = """
 import os
 
 def look():
-    return sorted(os.listdir("."))
+    return [sorted(os.listdir(".")), os.listxattr("."), os.stat(".").st_mode & 0o777]
 """
 
 
@@ -565,14 +570,14 @@ def look():
 @pytest.mark.timeout(60)
 async def test_nothing_of_a_sample_is_left_for_the_next_in_the_directory() -> None:
     """A worker's children share one scratch directory, one at a time, emptied between
-    samples: the next sample finds it empty (and writable), whatever the last left in it;
-    the directory goes when the zygote does."""
+    samples: the next sample finds it empty, writable and without attributes, whatever the
+    last left in it; the directory goes when the zygote does."""
     from toolpool import CancelController
     from toolpool.eval import _checker
 
     problem = {
         "prompt": "",
-        "test": "def check(candidate):\n    assert candidate() == []\n",
+        "test": "def check(candidate):\n    assert candidate() == [[], [], 0o700]\n",
         "entry_point": "look",
     }
     signal_ = CancelController().signal

@@ -162,10 +162,13 @@ class Zygote:
 
     def empty(self) -> bool:
         """Empty the scratch directory (every process of the sample is gone by now): remove
-        what is in it, whatever its modes, and give the directory its own mode back. False
-        if something is left (the zygote is then of no more use: :meth:`close` it)."""
+        what is in it, whatever its modes, and give the directory its own mode back and no
+        extended attribute. False if something is left (the zygote is then of no more use:
+        :meth:`close` it)."""
         try:
             os.chmod(self.directory, 0o700)
+            for attribute in os.listxattr(self.directory):  # (user.*, ACLs: the child's)
+                os.removexattr(self.directory, attribute)
             with os.scandir(self.directory) as entries:
                 names = [e.name for e in entries]
             for name in names:
