@@ -507,6 +507,7 @@ async def test_an_incomplete_jail_runs_nothing_unless_allowed(
     from toolpool.eval._zygote import Zygote
 
     zygote = Zygote()
+    zygote.wait_ready()
     zygote.failures = ["capabilities: OSError: capset failed"]
     monkeypatch.setattr(_checker, "_warm_zygote", lambda: zygote)
     problem = eval_set.PROBLEMS[0]
@@ -529,6 +530,73 @@ async def test_an_incomplete_jail_runs_nothing_unless_allowed(
     assert refused.value["calls"] == 0
     assert allowed.value["verdict"] == "passed"
     assert any(j.startswith("incomplete: capabilities") for j in allowed.value["jail"])
+
+
+#: A first sample that leaves all it can in its directory: files, a link, a fifo, nested
+#: directories it made unreadable or unwritable, an extended attribute, and the directory
+#: itself read-only.
+_LITTERS = """
+import os
+os.makedirs("a/b/c")
+for path in ("f", "a/g", "a/b/c/h"):
+    with open(path, "w") as f:
+        f.write("secret")
+os.symlink("f", "link")
+os.mkfifo("fifo")
+os.mkdir("locked")
+with open("locked/inside", "w") as f:
+    f.write("secret")
+os.chmod("locked", 0)
+os.chmod("a/b", 0o500)
+try:
+    os.setxattr(".", "user.note", b"secret")
+except OSError:
+    pass  # (a filesystem without user attributes)
+os.chmod(".", 0o500)
+
+def look():
+    return 1
+"""
+#: A second sample that reports what it finds there.
+_LOOKS = """
+import os
+
+def look():
+    return [sorted(os.listdir(".")), os.listxattr("."), os.stat(".").st_mode & 0o777]
+"""
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_nothing_of_a_sample_is_left_for_the_next_in_the_directory() -> None:
+    """A worker's children share one scratch directory, one at a time, emptied between
+    samples: the next sample finds it empty, writable and without attributes, whatever the
+    last left in it; the directory goes when the zygote does."""
+    from toolpool import CancelController
+    from toolpool.eval import _checker
+
+    problem = {
+        "prompt": "",
+        "test": "def check(candidate):\n    assert candidate() == [[], [], 0o700]\n",
+        "entry_point": "look",
+    }
+    signal_ = CancelController().signal
+    try:
+        zygote = _checker._warm_zygote()
+        littered = await _checker.registry.execute(
+            "check_sample", {**problem, "completion": _LITTERS}, signal=signal_
+        )
+        assert littered.value["verdict"] == "failed", littered.value  # (it returned 1)
+        assert _checker._warm_zygote() is zygote
+        assert os.listdir(zygote.directory) == []
+        looked = await _checker.registry.execute(
+            "check_sample", {**problem, "completion": _LOOKS}, signal=signal_
+        )
+        assert looked.value["verdict"] == "passed", looked.value
+        assert _checker._warm_zygote() is zygote
+    finally:
+        _checker._stop_zygote()
+    assert not os.path.exists(zygote.directory)
 
 
 def test_the_public_names_are_there() -> None:

@@ -770,11 +770,15 @@ def _ks(text: str) -> tuple[int, ...]:
 
 
 async def _eval(ns: argparse.Namespace) -> int:
-    from ._batch._progress import LiveProgress
     from .eval._print import print_report, print_report_json
     from .eval._run import run
 
     ks = _ks(ns.k)
+    watcher: Any = None
+    if not ns.no_progress:  # (the bar's module loads rich: not without a bar)
+        from ._batch._progress import LiveProgress
+
+        watcher = LiveProgress(sys.stderr, label="eval")
     report = await run(
         ns.problems,
         ns.samples,
@@ -786,7 +790,7 @@ async def _eval(ns: argparse.Namespace) -> int:
         allow_weak_jail=ns.allow_weak_jail,
         cancel_grace=ns.cancel_grace,
         term_grace=ns.term_grace,
-        watcher=None if ns.no_progress else LiveProgress(sys.stderr, label="eval"),
+        watcher=watcher,
     )
     if ns.json:
         print_report_json(report, sys.stdout)

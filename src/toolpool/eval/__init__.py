@@ -1,9 +1,19 @@
 """``toolpool eval``: score model-written code on HumanEval-style problems, with verdicts a
-completion cannot forge (docs/eval.md)."""
+completion cannot forge (docs/eval.md).
 
-from ._checker import Candidate, CandidateError, SampleVerdict
-from ._formats import Problem, TaskId, from_mbpp, mean_pass_at_k, pass_at_k, read_problems
-from ._run import EvalReport, ProblemScore, evaluate
+The names are loaded on first use: a worker imports ``toolpool.eval._checker`` (its tools
+module) and must not pay for the driver's modules (the batch, the supervisor), nor the driver
+for the checker's (the worker's registry)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._checker import Candidate, CandidateError, SampleVerdict
+    from ._formats import Problem, TaskId, from_mbpp, mean_pass_at_k, pass_at_k, read_problems
+    from ._run import EvalReport, ProblemScore, evaluate
 
 __all__ = (
     "Candidate",
@@ -19,3 +29,31 @@ __all__ = (
     "pass_at_k",
     "read_problems",
 )
+
+_WHERE = {
+    "Candidate": "_checker",
+    "CandidateError": "_checker",
+    "SampleVerdict": "_checker",
+    "Problem": "_formats",
+    "TaskId": "_formats",
+    "from_mbpp": "_formats",
+    "mean_pass_at_k": "_formats",
+    "pass_at_k": "_formats",
+    "read_problems": "_formats",
+    "EvalReport": "_run",
+    "ProblemScore": "_run",
+    "evaluate": "_run",
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

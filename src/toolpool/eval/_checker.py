@@ -10,11 +10,10 @@ verdict is decided here, where the completion cannot reach.
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import functools
 import math
-import shutil
-import tempfile
 import time
 import traceback
 from types import CodeType
@@ -28,10 +27,6 @@ __all__ = ("CandidateError", "Candidate", "SampleVerdict", "check_sample", "regi
 
 registry = Registry()
 
-#: Limits of the child process (rlimits it sets on itself before the completion runs).
-CHILD_MEMORY: Final = 512 << 20  # address space
-CHILD_FILE_SIZE: Final = 1 << 20
-CHILD_OPEN_FILES: Final = 64
 #: Where the test's code is said to be in tracebacks and details.
 TEST_FILE: Final = "<test>"
 
@@ -142,14 +137,17 @@ def _compiled(prompt: str, test: str) -> tuple[CodeType, CodeType]:
 
 
 def _where(exc: BaseException, test: str) -> str:
-    """``line N of the test: <code>`` for the deepest frame of the test's code, or ''."""
+    """``line N of the test: <code>`` for the deepest frame of the test's code, or ''.
+    (From the traceback's frames and the test's own text: no source file is read.)"""
+    found = 0
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        if frame.f_code.co_filename == TEST_FILE and lineno:
+            found = lineno
+    if not found:
+        return ""
     lines = test.splitlines()
-    where = ""
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if frame.filename == TEST_FILE and frame.lineno:
-            code = lines[frame.lineno - 1].strip() if frame.lineno <= len(lines) else ""
-            where = f" at line {frame.lineno} of the test: {code[:160]}"
-    return where
+    code = lines[found - 1].strip() if found <= len(lines) else ""
+    return f" at line {found} of the test: {code[:160]}"
 
 
 def _jail_problem(report: dict[str, Any], inherited: list[str]) -> str | None:
@@ -167,14 +165,33 @@ _zygote: Zygote | None = None
 
 
 def _warm_zygote() -> Zygote:
+    """This worker's zygote: started by :func:`start_zygote` or on the first sample, and
+    again if it died."""
     global _zygote
     if _zygote is None or not _zygote.alive():
         if _zygote is not None:
-            forget_helper(_zygote.process.pid)
-            _zygote.close()
+            _stop_zygote()
         _zygote = Zygote()
         keep_helper(_zygote.process.pid)
     return _zygote
+
+
+def _stop_zygote() -> None:
+    global _zygote
+    zygote, _zygote = _zygote, None
+    if zygote is not None:
+        forget_helper(zygote.process.pid)
+        zygote.close()
+
+
+def start_zygote() -> None:
+    """Start this worker's zygote now, without waiting for it (``toolpool.eval._tools``, the
+    workers' tools module, calls it as it is loaded: the zygote's start then overlaps the
+    worker's own), and stop it when the worker exits."""
+    _warm_zygote()
+
+
+atexit.register(_stop_zygote)  # (a worker killed outright: the zygote has PDEATHSIG)
 
 
 @registry.tool
@@ -204,7 +221,7 @@ def check_sample(
     deadline = started + time_limit
     wake = Wake()
     handle = execution.signal.add_callback(wake.poke)
-    directory = tempfile.mkdtemp(prefix="toolpool-eval-")
+    zygote: Zygote | None = None
     child: Child | None = None
     verdict: SampleVerdict = {
         "verdict": "error",
@@ -215,14 +232,8 @@ def check_sample(
         "check_s": 0.0,
     }
     try:
-        config = {
-            "directory": directory,
-            "memory": CHILD_MEMORY,
-            "cpu_seconds": math.ceil(time_limit) + 1,
-            "file_size": CHILD_FILE_SIZE,
-            "open_files": CHILD_OPEN_FILES,
-        }
-        child = Child(_warm_zygote(), config, wake.fd)
+        zygote = _warm_zygote()
+        child = Child(zygote, math.ceil(time_limit) + 1, wake.fd)
         try:
             _evaluate(
                 verdict,
@@ -251,8 +262,14 @@ def check_sample(
             if child is not None:
                 child.close()
         finally:
-            shutil.rmtree(directory, ignore_errors=True)
             wake.close()
+            # Every process of the sample is gone: empty the directory for the next one. A
+            # zygote whose directory cannot be emptied, or that a process of the sample may
+            # still write to (it outlived the kill), is replaced, directory and all.
+            if zygote is not None and zygote is _zygote:
+                clean = child is not None and child.clean
+                if not (clean and zygote.empty()):
+                    _stop_zygote()
     execution.signal.raise_if_cancelled()  # cancelled: the call ends aborted (or timeout)
     return verdict
 

@@ -5,11 +5,6 @@ from __future__ import annotations
 import json
 from typing import IO
 
-from rich import box
-from rich.console import Console
-from rich.table import Table
-
-from .._batch._progress import print_summary
 from ._run import EvalReport
 
 __all__ = ("print_report", "print_report_json")
@@ -21,6 +16,13 @@ def _percent(value: float | None) -> str:
 
 def print_report(report: EvalReport, stream: IO[str], *, ks: tuple[int, ...]) -> None:
     """Per problem, then the run's summary, then the verdicts and pass@k overall."""
+    # (rich only here: ``--json`` and the library never load it)
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from .._batch._progress import print_summary
+
     console = Console(file=stream)
     per = Table(box=box.SIMPLE_HEAD, title="pass@k per problem")
     per.add_column("task_id")

@@ -26,7 +26,7 @@ from ._formats import Problem, TaskId, mean_pass_at_k, open_lines, pass_at_k, re
 __all__ = ("TOOLS", "EvalReport", "ProblemScore", "evaluate", "run")
 
 #: The tools module the workers load.
-TOOLS: Final = "toolpool.eval._checker:registry"
+TOOLS: Final = "toolpool.eval._tools:registry"
 _TOOL: Final = "check_sample"
 #: Seconds a call may take beyond its sample's time limit, and those of the samples it may
 #: wait behind in a worker's queue, before the pool stops it (the checker stops the child

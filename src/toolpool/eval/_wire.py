@@ -109,9 +109,13 @@ def decode(data: Any, depth: int = 0) -> Any:
     raise NotData(f"unknown tag {tag[:40]!r}")
 
 
+#: One encoder for every message (``json.dumps`` with options builds one per call).
+_ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+
+
 def dumps(message: dict[str, Any]) -> bytes:
     """One message as a line of JSON (the message's values already encoded)."""
-    return (json.dumps(message, separators=(",", ":"), allow_nan=False) + "\n").encode()
+    return (_ENCODE(message) + "\n").encode()
 
 
 def loads(line: bytes) -> Any:

@@ -1,15 +1,17 @@
 """The worker's side of the jail: the zygote it keeps warm, and one child per sample.
 
-The zygote is started once per worker process (on its first sample) as ``python -I -S -c
-BOOT``: a fresh interpreter that never saw a problem's tests, with ``_child.py`` and the
-modules completions commonly use loaded. For each sample the worker hands it two pipes over
-a unix socket; it forks a child that jails itself and runs the completion (``_child.py``).
-No interpreter starts per sample.
+The zygote is started once per worker process (as the worker loads its tools, or on its
+first sample) as ``python -I -S -c BOOT``: a fresh interpreter that never saw a problem's
+tests, with ``_child.py`` and the modules completions commonly use loaded. For each sample
+the worker hands it two pipes over a unix socket; it forks a child that jails itself and
+runs the completion (``_child.py``) in the worker's scratch directory, which the worker
+empties once the sample's processes are gone. No interpreter starts per sample.
 
 When a sample ends, however it ends, :meth:`Child.close` kills the child's session, asks the
 zygote to reap the child (its parent), then kills and reaps every process below the worker
 that was not there before the sample: a daemon that left the child's session with ``setsid``
-and a double fork is reparented to the worker, which in a pool is a child subreaper.
+and a double fork is reparented to the worker, which in a pool is a child subreaper. Then
+the checker empties the scratch directory (:meth:`Zygote.empty`).
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from __future__ import annotations
 import math
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any, Final
 
 from . import _wire
@@ -46,7 +49,7 @@ MAX_REPLY: Final = 1 << 20
 KILL_PATIENCE: Final = 5.0
 #: Seconds the zygote has to start, and to answer a request.
 ZYGOTE_PATIENCE: Final = 30.0
-_PACKAGE: Final = Path(__file__).resolve().parents[1]  # .../toolpool
+_PACKAGE: Final = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # .../toolpool
 
 # The zygote's program: load _child.py (and what it uses) by path, as stand-in packages whose
 # __init__ never runs (no toolpool package, no site-packages), then serve.
@@ -58,7 +61,7 @@ for name, sub in (("_tp", ""), ("_tp.eval", "/eval"), ("_tp.sandbox", "/sandbox"
     module.__path__ = [root + sub]
     sys.modules[name] = module
 from _tp.eval._child import zygote
-zygote(int(sys.argv[2]), int(sys.argv[3]))
+zygote(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
 """
 
 
@@ -76,9 +79,13 @@ class Broken(BaseException):
 
 
 class Zygote:
-    """The warm template process of one worker (started on first use, restarted if it died)."""
+    """The warm template process of one worker, and the worker's scratch directory, in which
+    every child of the zygote works (one at a time) and which :meth:`empty` empties between
+    samples. Started at once; :meth:`fork` waits for it to be ready the first time."""
 
     def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="toolpool-eval-")
+        """The children's working directory (the only one they may write to)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.process = subprocess.Popen(
@@ -88,9 +95,10 @@ class Zygote:
                     "-S",
                     "-c",
                     BOOT,
-                    str(_PACKAGE),
+                    _PACKAGE,
                     str(theirs.fileno()),
                     str(os.getpid()),
+                    self.directory,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -101,22 +109,32 @@ class Zygote:
             )
         except BaseException:
             mine.close()
+            _remove(self.directory)
             raise
         finally:
             theirs.close()
         self._sock = mine
-        ready = self._answer(time.monotonic() + ZYGOTE_PATIENCE)
-        if ready.get("ready") != self.process.pid:
-            self.close()
+        self._ready = False
+        self.jail: list[str] = []
+        """The layers the zygote applied to itself, which every child inherits."""
+        self.failures: list[str] = []
+
+    def wait_ready(self) -> None:
+        """Wait until the zygote has started (once). Raises :class:`RuntimeError` if it
+        does not."""
+        if self._ready:
+            return
+        ready = _wire.loads(self._answer(time.monotonic() + ZYGOTE_PATIENCE))
+        if not isinstance(ready, dict) or ready.get("ready") != self.process.pid:
             raise RuntimeError(f"the zygote did not start: {ready!r}")
         self.jail = [str(j) for j in ready.get("jail") or []]
-        """The layers the zygote applied to itself, which every child inherits."""
         self.failures = [str(f) for f in ready.get("failures") or []]
+        self._ready = True
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def _answer(self, deadline: float) -> dict[str, Any]:
+    def _answer(self, deadline: float) -> bytes:
         self._sock.settimeout(max(0.001, deadline - time.monotonic()))
         try:
             data = self._sock.recv(1 << 16)
@@ -124,49 +142,99 @@ class Zygote:
             raise RuntimeError(f"the zygote did not answer: {exc}") from None
         if not data:
             raise RuntimeError("the zygote is gone")
-        answer = _wire.loads(data)
-        if not isinstance(answer, dict):
-            raise RuntimeError("the zygote sent garbage")
-        return answer
+        return data
 
-    def fork(self, config: dict[str, Any], request_r: int, reply_w: int) -> int:
-        """A new jailed child reading ``request_r`` and writing ``reply_w``; its pid."""
-        socket.send_fds(self._sock, [_wire.dumps({"fork": config})], [request_r, reply_w])
+    def fork(self, cpu_seconds: int, request_r: int, reply_w: int) -> int:
+        """A new jailed child reading ``request_r`` and writing ``reply_w``, limited to
+        ``cpu_seconds`` of CPU; its pid."""
+        self.wait_ready()
+        socket.send_fds(self._sock, [b"f%d" % cpu_seconds], [request_r, reply_w])
         answer = self._answer(time.monotonic() + ZYGOTE_PATIENCE)
-        pid = answer.get("pid")
-        if type(pid) is not int or pid <= 0:
+        if not answer.isdigit() or int(answer) <= 0:
             raise RuntimeError(f"the zygote could not fork: {answer!r}")
-        return pid
+        return int(answer)
 
     def reap(self, pid: int) -> int | None:
         """Wait for the child ``pid`` (killed already) and reap it; its wait status."""
-        self._sock.send(_wire.dumps({"reap": pid}))
-        status = self._answer(time.monotonic() + ZYGOTE_PATIENCE).get("status")
-        return status if type(status) is int else None
+        self._sock.send(b"r%d" % pid)
+        answer = self._answer(time.monotonic() + ZYGOTE_PATIENCE)
+        return int(answer) if answer.isdigit() else None
+
+    def empty(self) -> bool:
+        """Empty the scratch directory (every process of the sample is gone by now): remove
+        what is in it, whatever its modes, and give the directory its own mode back and no
+        extended attribute. False if something is left (the zygote is then of no more use:
+        :meth:`close` it)."""
+        try:
+            os.chmod(self.directory, 0o700)
+            for attribute in os.listxattr(self.directory):  # (user.*, ACLs: the child's)
+                os.removexattr(self.directory, attribute)
+            with os.scandir(self.directory) as entries:
+                names = [e.name for e in entries]
+            for name in names:
+                path = os.path.join(self.directory, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, onerror=_writable_and_again)
+                else:
+                    os.unlink(path)
+            return not os.listdir(self.directory)
+        except OSError:
+            return False
 
     def close(self) -> None:
+        """Kill the zygote, reap it, remove the scratch directory. (Once is enough; again
+        does nothing.)"""
         self._sock.close()
-        self.process.kill()
-        self.process.wait()
+        if self.process.returncode is None:
+            self.process.kill()
+            self.process.wait()
+        _remove(self.directory)
+
+
+def _writable_and_again(function: Any, path: str, _info: Any) -> None:
+    """``rmtree``'s error handler: a directory the completion made unwritable or
+    unreadable (its own, same owner) is given its mode back, and the step retried."""
+    parent = os.path.dirname(path)
+    for each in (parent, path):
+        try:
+            if os.path.isdir(each) and not os.path.islink(each):
+                os.chmod(each, 0o700)
+        except OSError:
+            pass
+    if function is os.rmdir or function is os.unlink:
+        function(path)
+    else:  # (scandir, open: the walk itself) once more, from here
+        shutil.rmtree(path, onerror=_give_up)
+
+
+def _give_up(_function: Any, _path: str, info: Any) -> None:
+    raise info[1]
+
+
+def _remove(directory: str) -> None:
+    try:
+        shutil.rmtree(directory, onerror=_writable_and_again)
+    except OSError:
+        pass
 
 
 class Child:
     """One jailed child running one completion, and the two pipes to it."""
 
-    def __init__(self, zygote: Zygote, config: dict[str, Any], wake: int) -> None:
+    def __init__(self, zygote: Zygote, cpu_seconds: int, wake: int) -> None:
         self._zygote = zygote
-        self.inherited = (zygote.jail, zygote.failures)
-        """The zygote's layers and failures, which the child inherits."""
         self._buffer = bytearray()
         self._wake = wake
         self.before = set(below(os.getpid()))
         self.status: int | None = None
         """The child's wait status, once :meth:`close` reaped it."""
+        self.clean = False
+        """Whether :meth:`close` saw every process of the sample gone."""
         self._closed = False
         request_r, self._request = os.pipe()
         self._reply, reply_w = os.pipe()
         try:
-            self.pid = zygote.fork(config, request_r, reply_w)
+            self.pid = zygote.fork(cpu_seconds, request_r, reply_w)
         except BaseException:
             os.close(self._request)
             os.close(self._reply)
@@ -174,6 +242,8 @@ class Child:
         finally:
             os.close(request_r)
             os.close(reply_w)
+        self.inherited = (zygote.jail, zygote.failures)
+        """The zygote's layers and failures, which the child inherits."""
         self._pidfd = os.pidfd_open(self.pid)  # (it is the zygote's, unreaped: no reuse)
         os.set_blocking(self._request, False)
         self._poll = select.poll()
@@ -254,7 +324,7 @@ class Child:
             pass  # this process (a subreaper in a pool), and the loop below reaps it
         finally:
             os.close(self._pidfd)
-            kill_new_processes(self.before)
+            self.clean = kill_new_processes(self.before)
 
 
 class Wake:
@@ -333,9 +403,10 @@ def _parent(pid: int) -> int | None:
     return int(stat[stat.rindex(b")") + 2 :].split()[1])  # after "pid (comm) state"
 
 
-def kill_new_processes(before: set[int]) -> None:
+def kill_new_processes(before: set[int]) -> bool:
     """SIGKILL every process below this one that is not in ``before``, and reap those that
-    are this process's own (orphans reparented to it included), until none is left.
+    are this process's own (orphans reparented to it included), until none is left. False
+    if some were still there after :data:`KILL_PATIENCE` seconds.
 
     Each process is pinned with a pidfd before it is signalled, and signalled only if it is
     still in the tree then: a pid reused meanwhile names someone else's process."""
@@ -365,5 +436,7 @@ def kill_new_processes(before: set[int]) -> None:
                     os.waitpid(pid, 0)
                 except ChildProcessError:
                     pass
-        if not found or time.monotonic() > give_up:
-            return
+        if not found:
+            return True
+        if time.monotonic() > give_up:
+            return False

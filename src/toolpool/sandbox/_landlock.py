@@ -13,7 +13,7 @@ from typing import Any
 
 from ._linux import PR_SET_NO_NEW_PRIVS, prctl
 
-__all__ = ("abi_version", "restrict")
+__all__ = ("abi_version", "restrict", "restrict_self", "ruleset")
 
 _SYSCALLS = {"x86_64": (444, 445, 446), "aarch64": (444, 445, 446)}
 _CREATE_RULESET_VERSION = 1
@@ -90,11 +90,31 @@ def restrict(
     handled and the result says nothing of it). Raises :class:`OSError` where Landlock is
     unavailable or refuses.
     """
+    fd, applied = ruleset(writable, writable_files, readable=readable, tcp=tcp)
+    try:
+        restrict_self(fd)
+    finally:
+        os.close(fd)
+    return applied
+
+
+def ruleset(
+    writable: list[str],
+    writable_files: tuple[str, ...] = ("/dev/null",),
+    *,
+    readable: list[str] | None = None,
+    tcp: bool = True,
+) -> tuple[int, str]:
+    """The ruleset :func:`restrict` applies, built but not applied: its descriptor (the
+    caller closes it) and what it says. :func:`restrict_self` applies it, in this process or
+    in any fork of it, as often as wanted (each time a new domain: ``toolpool eval``'s zygote
+    builds it once and each child applies it). Whoever holds the descriptor can add rules to
+    it: close it before running code that is not trusted."""
     numbers = _numbers()
     abi = abi_version()
     if numbers is None or abi < 1:
         raise OSError("Landlock is not available on this kernel")
-    create, add_rule, restrict_self = numbers
+    create, add_rule, _ = numbers
     libc = _libc()
     write_rights = 0
     for version, rights in _FS_WRITE_RIGHTS.items():
@@ -128,17 +148,24 @@ def restrict(
                     raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
             finally:
                 os.close(fd)
-        if not prctl(PR_SET_NO_NEW_PRIVS, 1):
-            raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
-        if libc.syscall(restrict_self, ruleset, 0):
-            raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
-    finally:
+    except BaseException:
         os.close(ruleset)
+        raise
     scope = ", no signals or abstract sockets outside the sandbox" if abi >= 6 else ""
     if net:
         scope += ", no TCP"
     if readable is not None:
-        return (
+        return ruleset, (
             f"ABI {abi}: reads only {', '.join(readable)}; writes only {', '.join(writable)}{scope}"
         )
-    return f"ABI {abi}: read-only except {', '.join(writable)}{scope}"
+    return ruleset, f"ABI {abi}: read-only except {', '.join(writable)}{scope}"
+
+
+def restrict_self(ruleset: int) -> None:
+    """Apply the ruleset ``ruleset`` (from :func:`ruleset`) to this process for good (no new
+    privileges first, as Landlock requires). Raises :class:`OSError` if it refuses."""
+    if not prctl(PR_SET_NO_NEW_PRIVS, 1):
+        raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
+    numbers = _numbers()
+    if numbers is None or _libc().syscall(numbers[2], ruleset, 0):
+        raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
