@@ -68,6 +68,8 @@ from .machine import (
     QUEUE_BEHIND_FOR,
     TIMEOUT_TEXT,
     WORKER_LOST_TEXT,
+    CallRecord,
+    CallState,
     CoreConfig,
     Machine,
 )
@@ -88,6 +90,7 @@ __all__ = (
 _log = logging.getLogger("toolpool.supervisor")
 
 _DISPOSED: Final = CancelCause("disposed")
+_NO_ARGS: Final = pack_value({}, "args")  # (args=None: packed once)
 _PARENT: Final = CancelCause("parent")
 
 WorkerOutput = Literal["discard", "inherit"]
@@ -270,6 +273,7 @@ class Pool(Channels, Hosting):
         self._io = self._files.ios  # by worker id
         self._closing: set[WorkerIO] = set()  # gone, their sockets not closed yet
         self._groups: weakref.WeakSet[Group] = weakref.WeakSet()
+        self._faces: dict[int, Call] = {}  # the unsettled calls' faces, by id (_calls.py)
         self._call_ids = 0
         self._pumping = False
         self._port = Port(self)  # what its calls, groups and maps may ask of it
@@ -378,10 +382,10 @@ class Pool(Channels, Hosting):
                 self._listeners.emit(ToolsChanged(frozen_catalog({})))
             core.closing = True
             for group in list(self._groups):
-                cancel_with_runtime_cause(group._controller, _DISPOSED)
+                cancel_with_runtime_cause(group._record._controller, _DISPOSED)
             core.close(time.monotonic())
             self._pump()
-            await wait_settled_or_stuck(self._core, self._wait_changed)
+            await wait_settled_or_stuck(self._core, self._faces, self._wait_changed)
             await self._teardown()
         await self._exit_task_group()
         return self._close_report
@@ -426,7 +430,7 @@ class Pool(Channels, Hosting):
         self._pump()
         with anyio.move_on_after(KILL_WAIT):
             await self._wait_all_gone()
-        unkillable, unsettled = abandon_unsettled(self._core, self._files)
+        unkillable, unsettled = abandon_unsettled(self._core, self._files, self._faces)
         if self._reaper is not None:
             self._reaper_closing = True  # its end is no loss now
             await self._reaper.aclose()
@@ -550,11 +554,9 @@ class Pool(Channels, Hosting):
     async def wait_idle(self) -> None:
         """Wait until no call is queued or running (a call held by an ``unkillable`` worker
         runs until its tree is gone)."""
-        calls = self._core.calls
-        while calls:
-            call = next(iter(calls.values()))
-            assert isinstance(call, Call)
-            await call.wait()
+        faces = self._faces  # (a call settled in the core, but not performed yet, is here)
+        while faces:
+            await next(iter(faces.values())).wait()
 
     def statistics(self, provider: str | None = None) -> Statistics:
         """A frozen snapshot of the pool, or (``provider``) of one provider's part of it: its
@@ -626,10 +628,11 @@ class Pool(Channels, Hosting):
         if provider.broken is not None:
             raise provider.broken
         if args is None:
-            args = {}
-        if not isinstance(args, Mapping):
+            packed = _NO_ARGS
+        elif type(args) is dict or isinstance(args, Mapping):
+            packed = pack_value(args if type(args) is dict else dict(args), "args")
+        else:
             raise TypeError(f"args must be a mapping, not {type(args).__name__}")
-        packed = pack_value(dict(args), "args")
         if len(packed) > self.max_frame - 1024:
             raise ValueError(
                 f"args of {len(packed)} bytes exceed the {self.max_frame - 1024} bytes a call "
@@ -645,20 +648,22 @@ class Pool(Channels, Hosting):
             timeout = self._options[provider.name].timeout
         now = time.monotonic()
         self._call_ids += 1
-        call = Call(self._port, self._call_ids, tool, packed, group, now)
-        call._index = index
-        self._core.submit(call, timeout=timeout, now=now)
+        record = CallRecord(self._call_ids, tool, packed, group and group._record, now)
+        record._index = index
+        call = self._faces[record.id] = Call(self._port, record)
+        self._core.submit(record, timeout=timeout, now=now)
         self._pump()
         return call
 
     def _cancel(self, call: Call, cause: CancelCause, *, force: bool) -> None:
-        if call._result is not None:
+        record = call._record
+        if record._state is CallState.SETTLED:
             return
-        self._core.cancel(call, cause, force=force, now=time.monotonic())
+        self._core.cancel(record, cause, force=force, now=time.monotonic())
         self._pump()
 
     def _group_cancelled(self, group: Group, cause: CancelCause) -> None:
-        self._core.cancel_group(group, cause, time.monotonic())
+        self._core.cancel_group(group._record, cause, time.monotonic())
         self._pump()
 
     def __repr__(self) -> str:
@@ -706,6 +711,13 @@ class Port:
 
     def cancel_group(self, group: Group, cause: CancelCause) -> None:
         self._pool._group_cancelled(group, cause)
+
+    def call_of(self, call_id: int) -> Call | None:
+        return self._pool._faces.get(call_id)
+
+    def unsettled(self) -> list[Call]:
+        """The faces of the calls not settled yet (a snapshot)."""
+        return list(self._pool._faces.values())
 
     def new_group(self) -> Group:
         return self._pool.group()

@@ -1,9 +1,9 @@
 """What the machine knows of calls, groups, providers and workers: plain data, no I/O.
 
 The parts of the machine (``_machine.py`` and the parts it owns) read and change these
-records; the shell (``supervisor/_pool.py``) creates calls and groups (the public
-:class:`toolpool.Call` and :class:`toolpool.Group` extend the records here with their
-awaitable faces).
+records; the shell (``supervisor/_pool.py``) creates calls and groups: the public
+:class:`toolpool.Call` and :class:`toolpool.Group` (``supervisor/_calls.py``) each hold
+their record here, and the machine knows nothing of them.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ _CALL_NEXT: Final = _by_name(CALL_MOVES)
 
 
 class CallRecord:
-    """A call as the core tracks it. The public :class:`toolpool.Call` extends it."""
+    """A call as the core tracks it. The public :class:`toolpool.Call` holds it."""
 
     __slots__ = (
         "_args",
@@ -178,7 +178,7 @@ class CallRecord:
 
 class GroupRecord:
     """A group (turn) as the core tracks it: its cancel controller and its unsettled calls.
-    The public :class:`toolpool.Group` extends it."""
+    The public :class:`toolpool.Group` holds it."""
 
     def __init__(self) -> None:
         self._controller = CancelController()
