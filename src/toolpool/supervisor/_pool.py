@@ -29,7 +29,6 @@ import zmq
 from ..core import (
     DEFAULT_GRACES,
     CancelCause,
-    Graces,
     PoolClosedError,
     UnknownToolError,
     WorkerStartError,
@@ -48,8 +47,10 @@ from ._events import Listeners, ProviderRemoved, ToolsChanged, frozen_catalog
 from ._hosting import (
     DEFAULT_PREFETCH,
     Hosting,
+    PoolOptions,
     ProviderOptions,
-    check_pool_options,
+    StartMethod,
+    WorkerOutput,
     checked_profile,
     prepare_layers,
     provider_options,
@@ -70,7 +71,6 @@ from .machine import (
     WORKER_LOST_TEXT,
     CallRecord,
     CallState,
-    CoreConfig,
     Machine,
 )
 
@@ -93,8 +93,10 @@ _DISPOSED: Final = CancelCause("disposed")
 _NO_ARGS: Final = pack_value({}, "args")  # (args=None: packed once)
 _PARENT: Final = CancelCause("parent")
 
-WorkerOutput = Literal["discard", "inherit"]
-StartMethod = Literal["fork", "spawn"]
+
+def _new_secret() -> bytes:
+    """A new worker's secret, which its hello must carry."""
+    return secrets.token_hex(32).encode()
 
 
 @final
@@ -190,23 +192,22 @@ class Pool(Channels, Hosting):
             state). A call counts once it settled in that worker, unless its body surely
             never started. None (default): workers serve until the pool closes.
         """
-        check_pool_options(
-            max_start_failures=max_start_failures,
-            seconds={
-                "cancel_grace": cancel_grace,
-                "term_grace": term_grace,
-                "start_timeout": start_timeout,
-                "drain_grace": drain_grace,
-                "unkillable_after": unkillable_after,
-            },
-            heartbeat=heartbeat,
-            worker_output=worker_output,
+        options = PoolOptions(
+            cancel_grace=cancel_grace,
+            term_grace=term_grace,
+            drain_grace=drain_grace,
+            unkillable_after=unkillable_after,
+            start_timeout=start_timeout,
             max_frame=max_frame,
+            max_start_failures=max_start_failures,
+            worker_output=worker_output,
             start_method=start_method,
+            heartbeat=heartbeat,
         )
-        options = None
+        options.check()
+        default = None
         if tools is not None:  # the provider "default", with the options that are its own
-            options = provider_options(
+            default = provider_options(
                 "default",
                 tools,
                 workers=workers,
@@ -220,44 +221,43 @@ class Pool(Channels, Hosting):
                 max_frame=max_frame,
                 max_calls_per_worker=max_calls_per_worker,
             )
-        self.profile = options.profile if options is not None else checked_profile(profile)
-        self.tools_spec = tools or ""
-        self.size = options.workers if options is not None else 0
+        self._files = WorkerFiles()  # the probe: the ledger and cgroup files it holds open
+        self._core = Machine(options.core_config(), self._files, _new_secret)
+        self._adopt(options, default, profile, env, allow_background)
+        self._options: dict[str, ProviderOptions] = {}
+        if default is not None:  # entering the machine as any provider does (started by start)
+            self._options["default"] = default
+            self._core.add_provider("default", default.spec(), time.monotonic())
+        self._init_shell()
+
+    def _adopt(
+        self,
+        options: PoolOptions,
+        default: ProviderOptions | None,
+        profile: Profile | str,
+        env: Mapping[str, str] | None,
+        allow_background: bool,
+    ) -> None:
+        """The pool's public attributes: its own options (as its machine took them), and its
+        ``"default"`` provider's (``default``: None for a pool without one)."""
+        self.profile = default.profile if default is not None else checked_profile(profile)
+        self.tools_spec = default.tools if default is not None else ""
+        self.size = default.workers if default is not None else 0
         #: The graces of its calls' escalation, its drains, and its unkillable workers.
-        self.graces = Graces(
-            cancel=cancel_grace,
-            term=term_grace,
-            drain=drain_grace,
-            unkillable_after=unkillable_after,
-        )
+        self.graces = self._core.config.graces
         self.cancel_grace, self.term_grace = self.graces.cancel, self.graces.term
         self.drain_grace, self.unkillable_after = self.graces.drain, self.graces.unkillable_after
-        self.start_timeout = float(start_timeout)
-        self.max_frame = max_frame
-        self.max_start_failures = max_start_failures
-        self.worker_output: WorkerOutput = worker_output
+        self.start_timeout = self._core.config.start_timeout
+        self.max_frame = options.max_frame
+        self.max_start_failures = options.max_start_failures
+        self.worker_output: WorkerOutput = options.worker_output
         self._env = dict(env) if env is not None else None
         self.allow_background = bool(allow_background)
-        self.heartbeat = None if heartbeat is None else float(heartbeat)
-        self.warm_spares = options.warm_spares if options is not None else 0
-        self.start_method: StartMethod = start_method
-        self.prefetch = options.prefetch if options is not None else DEFAULT_PREFETCH
-        self.capture_output = options.capture_output if options is not None else None
-        self._files = WorkerFiles()
-        config = CoreConfig(
-            graces=self.graces,
-            start_timeout=self.start_timeout,
-            max_frame=max_frame,
-            max_start_failures=max_start_failures,
-            heartbeat=self.heartbeat,
-        )
-        # The probe: the ledger and cgroup files it holds open.
-        self._core = Machine(config, self._files, lambda: secrets.token_hex(32).encode())
-        self._options: dict[str, ProviderOptions] = {}
-        if options is not None:  # entering the machine as any provider does (started by start)
-            self._options["default"] = options
-            self._core.add_provider("default", options.spec(), time.monotonic())
-        self._init_shell()
+        self.heartbeat = self._core.config.heartbeat
+        self.warm_spares = default.warm_spares if default is not None else 0
+        self.start_method: StartMethod = options.start_method
+        self.prefetch = default.prefetch if default is not None else DEFAULT_PREFETCH
+        self.capture_output = default.capture_output if default is not None else None
 
     def _init_shell(self) -> None:
         """The shell's own state: listeners, the reaper, sockets, calls, tasks."""
