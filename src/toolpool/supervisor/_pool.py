@@ -628,16 +628,18 @@ class Pool(Channels, Hosting):
         if provider.broken is not None:
             raise provider.broken
         if args is None:
-            packed = _NO_ARGS
-        elif type(args) is dict or isinstance(args, Mapping):
-            packed = pack_value(args if type(args) is dict else dict(args), "args")
+            packed = _NO_ARGS  # (1 byte: it fits any max_frame)
         else:
-            raise TypeError(f"args must be a mapping, not {type(args).__name__}")
-        if len(packed) > self.max_frame - 1024:
-            raise ValueError(
-                f"args of {len(packed)} bytes exceed the {self.max_frame - 1024} bytes a call "
-                f"can carry (max_frame={self.max_frame}, less 1,024 for the call's own fields)"
-            )
+            if type(args) is dict or isinstance(args, Mapping):
+                packed = pack_value(args if type(args) is dict else dict(args), "args")
+            else:
+                raise TypeError(f"args must be a mapping, not {type(args).__name__}")
+            if len(packed) > self.max_frame - 1024:
+                raise ValueError(
+                    f"args of {len(packed)} bytes exceed the {self.max_frame - 1024} bytes a "
+                    f"call can carry (max_frame={self.max_frame}, less 1,024 for the call's "
+                    "own fields)"
+                )
         if timeout is not None and (
             isinstance(timeout, bool)
             or not isinstance(timeout, (int, float))
