@@ -90,12 +90,34 @@ def test_one_export_list_sorted_and_the_type_checkers_imports_agree_with_it() ->
     exports: dict[str, str] = vars(toolpool)["_EXPORTS"]
     assert list(toolpool.__all__) == sorted(toolpool.__all__)
     assert list(exports) == sorted(exports)
-    assert set(toolpool.__all__) == set(exports) | {"__version__"}
+    assert toolpool.__all__ == tuple(sorted([*exports, "__version__"]))
     tree = ast.parse(Path(toolpool.__file__).read_text())
     typed: dict[str, str] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             for imp in node.body:
                 assert isinstance(imp, ast.ImportFrom), ast.unparse(imp)
-                typed.update({alias.name: imp.module or "" for alias in imp.names})
+                for alias in imp.names:  # ``X as X``: a re-export, whatever __all__ is
+                    assert alias.asname == alias.name, ast.unparse(imp)
+                    typed[alias.name] = imp.module or ""
     assert typed == exports
+
+
+def test_every_exported_name_is_importable_from_the_module_the_list_names() -> None:
+    import importlib
+
+    exports: dict[str, str] = vars(toolpool)["_EXPORTS"]
+    for name, module in exports.items():
+        assert hasattr(importlib.import_module(f"toolpool.{module}"), name), (name, module)
+    namespace: dict[str, object] = {}
+    exec("from toolpool import *", namespace)
+    assert set(namespace) - {"__builtins__"} == set(toolpool.__all__)
+
+
+def test_the_supervisor_packages_all_is_sorted_and_real() -> None:
+    import toolpool.supervisor as supervisor
+
+    assert list(supervisor.__all__) == sorted(supervisor.__all__)
+    assert len(set(supervisor.__all__)) == len(supervisor.__all__)
+    for name in supervisor.__all__:
+        assert hasattr(supervisor, name), name

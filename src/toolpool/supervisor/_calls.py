@@ -1,10 +1,12 @@
 """The public faces of a call and of a group (turn): what callers await and cancel.
 
-Each extends the machine's record (``machine/_records.py``) with anyio events to wait on;
-every decision about them is the machine's, reached through the pool. Calls, groups and maps
-talk to their pool through :class:`PoolPort`, a small interface (the pool's side:
-``_pool.Port``), never through its private attributes; so this module, and ``_map.py``,
-import nothing of ``_pool.py``.
+Each holds the machine's record of it (``machine/_records.py``: the machine knows nothing of
+these faces) and adds the anyio events to wait on; every decision about them is the
+machine's, reached through the pool. Calls, groups and maps talk to their pool through
+:class:`PoolPort`, a small interface (the pool's side: ``_pool.Port``), never through its
+private attributes; so this module, and ``_map.py``, import nothing of ``_pool.py``. The
+pool keeps the face of each unsettled call by its id (``PoolPort.call_of``) and marks it
+settled when it performs the machine's ``Settled``.
 """
 
 from __future__ import annotations
@@ -16,9 +18,15 @@ from typing import Any, Final, Protocol, final
 
 import anyio
 
-from ..core import CancelCause, PoolClosedError, cancel_with_runtime_cause, validate_cause
+from ..core import (
+    CancelCause,
+    CancelSignal,
+    PoolClosedError,
+    cancel_with_runtime_cause,
+    validate_cause,
+)
 from ._results import Progress, Result
-from .machine import CallRecord, GroupRecord
+from .machine import CallRecord, CallState, GroupRecord
 
 __all__ = ("Call", "Group", "PoolPort", "await_call")
 
@@ -60,6 +68,10 @@ class PoolPort(Protocol):
     def cancel_group(self, group: Group, cause: CancelCause) -> None:
         """``group`` was cancelled: cancel its calls, queued ones first."""
 
+    def call_of(self, call_id: int) -> Call | None:
+        """The face of unsettled call ``call_id`` (None once the pool performed its
+        ``Settled``)."""
+
     def new_group(self) -> Group:
         """A new group of this pool (``Pool.group``)."""
 
@@ -68,7 +80,7 @@ class PoolPort(Protocol):
 
 
 @final
-class Call(CallRecord):
+class Call:
     """A submitted call. ``await call`` gives its :class:`Result`; ``call.cancel()`` stops it.
 
     Created by :meth:`Pool.submit` and :meth:`Group.submit` only.
@@ -80,20 +92,21 @@ class Call(CallRecord):
         "_on_settled",
         "_port",
         "_progress_event",
+        "_record",
+        "_settled",
         "_started_event",
+        "id",
+        "tool",
     )
 
-    def __init__(
-        self,
-        port: PoolPort,
-        call_id: int,
-        tool: str,
-        args: bytes,
-        group: Group | None,
-        now: float,
-    ) -> None:
-        super().__init__(call_id, tool, args, group, now)
+    def __init__(self, port: PoolPort, record: CallRecord) -> None:
+        self.id = record.id
+        """The pool-wide call id."""
+        self.tool = record.tool
+        """The tool's name."""
+        self._record = record  # the machine's (read here, never changed)
         self._port = port
+        self._settled = False  # the pool performed its Settled: its waiters were woken
         self._event: anyio.Event | None = None
         self._started_event: anyio.Event | None = None
         self._abandoned: str | None = None  # the pool closed without settling it: why
@@ -115,13 +128,15 @@ class Call(CallRecord):
 
     def done(self) -> bool:
         """True once the call has settled."""
-        return self._result is not None
+        return self._settled
 
     def result(self) -> Result:
         """The settled result; raises :class:`RuntimeError` if the call has not settled."""
-        if self._result is None:
+        if not self._settled:
             raise RuntimeError("the call has not settled yet; await it")
-        return self._result
+        result = self._record._result
+        assert result is not None
+        return result
 
     async def wait(self) -> Result:
         """Wait until the call settles and return its result.
@@ -132,13 +147,15 @@ class Call(CallRecord):
         Raises :class:`toolpool.PoolClosedError` if the pool closed without settling it:
         its worker's tree did not die of SIGKILL (``CloseReport.unsettled``).
         """
-        if self._result is None and self._abandoned is None:
+        if not self._settled and self._abandoned is None:
             if self._event is None:
                 self._event = anyio.Event()
             await self._event.wait()
-        if self._result is None:
+        if not self._settled:
             raise PoolClosedError(self._abandoned or "the pool closed without settling it")
-        return self._result
+        result = self._record._result
+        assert result is not None
+        return result
 
     async def wait_started(self) -> bool:
         """Wait until the worker reports the body started, or the call settled first.
@@ -149,16 +166,17 @@ class Call(CallRecord):
         and that of a sync body once it has run for about 0.2 ms (a quicker body's result
         says it started).
         """
-        if not self._started and self._result is None:
+        record = self._record
+        if not record._started and not self._settled:
             if self._started_event is None:
                 self._started_event = anyio.Event()
             await self._started_event.wait()
-        return self._started
+        return record._started
 
     @property
     def started(self) -> bool:
         """True once the worker reported that the body was invoked (see :meth:`wait_started`)."""
-        return self._started
+        return self._record._started
 
     def _abandon(self, why: str) -> None:
         """The pool closes without settling this call (its tree lives): wake its waiters."""
@@ -172,11 +190,30 @@ class Call(CallRecord):
         if self._started_event is not None:
             self._started_event.set()
 
+    def _settle(self) -> None:
+        """The pool performs the machine's ``Settled``: wake the waiters, then the one told
+        (a map's collector, a sync pool's future)."""
+        self._settled = True
+        if self._event is not None:
+            self._event.set()
+        if self._started_event is not None:
+            self._started_event.set()
+        progress = self._progress_event  # (its progress updates end: _wake_progress, inline)
+        if progress is not None:
+            progress.set()
+            self._progress_event = None
+        if self._on_settled is not None:
+            self._on_settled(self)
+
+    def _queued(self) -> bool:
+        """In the pool's queue still: no worker took it (nor did it settle)."""
+        return self._record._state is CallState.QUEUED
+
     @property
     def progress(self) -> Progress | None:
         """What the body last reported of its progress (``execution.report_progress``), or
         None if it reported none. Kept once the call settled: the last report before it."""
-        return self._progress
+        return self._record._progress
 
     async def progress_updates(self) -> AsyncIterator[Progress]:
         """The call's progress reports as they arrive, starting with the latest one so far
@@ -187,13 +224,14 @@ class Call(CallRecord):
         consumers may iterate at once; each sees every report it was not too slow for.
         """
         seen: Progress | None = None
+        record = self._record
         while True:
-            latest = self._progress
+            latest = record._progress
             if latest is not None and latest is not seen:
                 seen = latest
                 yield latest
                 continue
-            if self._result is not None:
+            if self._settled:
                 return
             if self._progress_event is None:
                 self._progress_event = anyio.Event()
@@ -209,12 +247,14 @@ class Call(CallRecord):
         return self.wait().__await__()
 
     def __repr__(self) -> str:
-        state = self._result.outcome.value if self._result else self._state.value
+        record = self._record
+        result = record._result if self._settled else None
+        state = result.outcome.value if result is not None else record._state.value
         return f"<toolpool.Call {self.id} {self.tool!r} {state}>"
 
 
 @final
-class Group(GroupRecord):
+class Group:
     """A turn: one cancel controller covering every call made in it (CONTRACT C5).
 
     Use ``async with pool.group() as turn:``. Leaving the block normally waits until every
@@ -223,9 +263,19 @@ class Group(GroupRecord):
     """
 
     def __init__(self, port: PoolPort) -> None:
-        super().__init__()
+        self._record = GroupRecord()  # the machine's: its controller, its unsettled calls
         self._port = port
-        self._controller.signal.add_callback(self._on_cancel)
+        self._record._controller.signal.add_callback(self._on_cancel)
+
+    @property
+    def signal(self) -> CancelSignal:
+        """The group's cancel signal (read-only)."""
+        return self._record.signal
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the group was cancelled."""
+        return self._record.cancelled
 
     def submit(
         self, tool: str, args: Mapping[str, Any] | None = None, *, timeout: float | None = None
@@ -242,16 +292,28 @@ class Group(GroupRecord):
 
     def cancel(self, cause: object = None) -> bool:
         """Cancel every call of the group, queued or running. The first request wins."""
-        return self._controller.cancel(cause)
+        return self._record._controller.cancel(cause)
+
+    def _unsettled(self) -> bool:
+        """It has calls not settled yet, and was not cancelled."""
+        record = self._record
+        return bool(record._calls) and not record.cancelled
+
+    def _cancel_unsettled(self, cause: CancelCause) -> None:
+        """Cancel it (a runtime ``cause``: ``parent``), if it has calls not settled yet and
+        was not cancelled."""
+        if self._unsettled():
+            cancel_with_runtime_cause(self._record._controller, cause)
 
     def _on_cancel(self, cause: CancelCause) -> None:
         self._port.cancel_group(self, cause)
 
     async def wait(self) -> None:
         """Wait until every call submitted so far has settled."""
-        while self._calls:
-            call = next(iter(self._calls))
-            assert isinstance(call, Call)
+        calls, port = self._record._calls, self._port
+        while calls:
+            call = port.call_of(next(iter(calls)).id)
+            assert call is not None  # (the record leaves the group as it settles)
             await call.wait()
 
     async def __aenter__(self) -> Group:
@@ -265,7 +327,7 @@ class Group(GroupRecord):
     ) -> None:
         if exc is not None:
             if not self.cancelled:
-                cancel_with_runtime_cause(self._controller, _PARENT)
+                cancel_with_runtime_cause(self._record._controller, _PARENT)
             return
         await self.wait()
 

@@ -109,6 +109,7 @@ class Channels:
     _env: Mapping[str, str] | None
     _options: dict[str, ProviderOptions]
     _core: Machine
+    _faces: dict[int, Call]
     _io: dict[int, WorkerIO]
     _closing: set[WorkerIO]
     _ctx: zmq.Context[zmq.Socket[bytes]] | None
@@ -445,19 +446,14 @@ class Channels:
     def _perform(self, actions: list[Action]) -> list[WorkerIO]:
         """Perform the core's actions in order; return the workers sent to."""
         sent_to: list[WorkerIO] = []
-        core = self._core
+        core, faces = self._core, self._faces
         reaper = self._reaper if core.reaper_up else None
         for action in actions:
             kind = type(action)
             if kind is Settled:
-                call: Call = action[0]  # type: ignore[misc,assignment]  # wake its waiters
-                if call._event is not None:
-                    call._event.set()
-                if call._started_event is not None:
-                    call._started_event.set()
-                call._wake_progress()  # (its progress updates end)
-                if call._on_settled is not None:
-                    call._on_settled(call)
+                face = faces.pop(action[0].id, None)  # type: ignore[union-attr,misc]
+                if face is not None:
+                    face._settle()  # (it is done from now on: wake its waiters)
             elif kind is Send:
                 send: Send = action  # type: ignore[assignment]
                 io = self._io.get(send.wid)
@@ -476,9 +472,13 @@ class Channels:
                 if io not in sent_to:
                     sent_to.append(io)
             elif kind is Started:
-                action[0]._wake_started()  # type: ignore[union-attr,misc]
+                face = faces.get(action[0].id)  # type: ignore[union-attr,misc]
+                if face is not None:
+                    face._wake_started()
             elif kind is Progressed:
-                action[0]._wake_progress()  # type: ignore[union-attr,misc]
+                face = faces.get(action[0].id)  # type: ignore[union-attr,misc]
+                if face is not None:
+                    face._wake_progress()
             elif kind is Changed:
                 if self._changed is not None:
                     self._changed.set()

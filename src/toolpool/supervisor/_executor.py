@@ -31,7 +31,6 @@ from ..sandbox import Profile
 from ._calls import Call
 from ._results import Result
 from ._sync import SyncCall, SyncPool
-from .machine import CallState
 
 __all__ = (
     "CallFailed",
@@ -138,7 +137,7 @@ class ExecutorFuture(concurrent.futures.Future[T], Generic[T]):
 
     def running(self) -> bool:
         """True while a worker has the call (it runs it) and it has not settled."""
-        return not self.done() and self._call._state is not CallState.QUEUED
+        return not self.done() and not self._call._queued()
 
     def cancel(self) -> bool:
         """Withdraw the call if no worker has taken it yet: True then (the future is
@@ -151,7 +150,7 @@ class ExecutorFuture(concurrent.futures.Future[T], Generic[T]):
 
     def _withdraw(self) -> bool:
         call = self._call
-        if call._result is None and call._state is CallState.QUEUED:
+        if not call.done() and call._queued():
             call.cancel()  # a call in the pool's queue settles at once (CONTRACT C4.4)
         return self.cancelled()
 

@@ -12,10 +12,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from ..core import (
     ConfigurationError,
+    Graces,
     PoolClosedError,
     ToolConflictError,
     WorkerStartError,
@@ -40,6 +41,7 @@ from ._events import (
 from ._results import ContainmentReport
 from .machine import (
     Autoscale,
+    CoreConfig,
     Machine,
     ProviderDown,
     ProviderRecord,
@@ -54,11 +56,16 @@ from .machine import (
 __all__ = (
     "DEFAULT_PREFETCH",
     "Hosting",
+    "PoolOptions",
     "ProviderOptions",
-    "check_pool_options",
+    "StartMethod",
+    "WorkerOutput",
     "checked_profile",
     "provider_options",
 )
+
+WorkerOutput = Literal["discard", "inherit"]
+StartMethod = Literal["fork", "spawn"]
 
 #: Calls a busy worker may hold queued (``Pool(prefetch=None)``), but see there. 16 (with 16
 #: results held back and 32 ledger slots of 32 KiB) took no-op throughput from 19.5k to 23k
@@ -116,30 +123,66 @@ def check_count(name: str, value: object, *, minimum: int) -> None:
         raise ValueError(f"{name} must be {what} integer, got {value!r}")
 
 
-def check_pool_options(
-    *,
-    max_start_failures: object,
-    seconds: Mapping[str, object],
-    heartbeat: object,
-    worker_output: object,
-    max_frame: object,
-    start_method: object,
-) -> None:
-    """Check the options that are the pool's own (not a provider's); raise a clear error for
-    each bad one."""
-    check_count("max_start_failures", max_start_failures, minimum=1)
-    for name, value in {**seconds, "heartbeat": 1.0 if heartbeat is None else heartbeat}.items():
-        check_seconds(name, value)
-    if worker_output not in ("discard", "inherit"):
-        raise ValueError("worker_output must be 'discard' or 'inherit'")
-    if isinstance(max_frame, bool) or not isinstance(max_frame, int) or max_frame < 1024:
-        raise ValueError("max_frame must be an integer of at least 1024 bytes")
-    if start_method not in ("fork", "spawn"):
-        raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
-    if not seconds.get("unkillable_after", 1.0) > 0:  # type: ignore[operator]
-        raise ValueError("unkillable_after must be a positive number of seconds")
-    if heartbeat is not None and not heartbeat > 0:  # type: ignore[operator]
-        raise ValueError("heartbeat must be a positive number of seconds, or None")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolOptions:
+    """The options that are the pool's own, not a provider's (``Pool(...)``'s arguments of
+    those names): :meth:`check` them, then hand the machine its :meth:`core_config`."""
+
+    cancel_grace: float
+    term_grace: float
+    drain_grace: float
+    unkillable_after: float
+    start_timeout: float
+    max_frame: int
+    max_start_failures: int
+    worker_output: WorkerOutput
+    start_method: StartMethod
+    heartbeat: float | None
+
+    def check(self) -> None:
+        """Raise a clear error for the first bad option."""
+        check_count("max_start_failures", self.max_start_failures, minimum=1)
+        heartbeat = self.heartbeat
+        seconds = {
+            "cancel_grace": self.cancel_grace,
+            "term_grace": self.term_grace,
+            "start_timeout": self.start_timeout,
+            "drain_grace": self.drain_grace,
+            "unkillable_after": self.unkillable_after,
+            "heartbeat": 1.0 if heartbeat is None else heartbeat,
+        }
+        for name, value in seconds.items():
+            check_seconds(name, value)
+        if self.worker_output not in ("discard", "inherit"):
+            raise ValueError("worker_output must be 'discard' or 'inherit'")
+        max_frame = self.max_frame
+        if isinstance(max_frame, bool) or not isinstance(max_frame, int) or max_frame < 1024:
+            raise ValueError("max_frame must be an integer of at least 1024 bytes")
+        if self.start_method not in ("fork", "spawn"):
+            raise ValueError(f"start_method must be 'fork' or 'spawn', got {self.start_method!r}")
+        if not self.unkillable_after > 0:
+            raise ValueError("unkillable_after must be a positive number of seconds")
+        if heartbeat is not None and not heartbeat > 0:
+            raise ValueError("heartbeat must be a positive number of seconds, or None")
+
+    @property
+    def graces(self) -> Graces:
+        return Graces(
+            cancel=self.cancel_grace,
+            term=self.term_grace,
+            drain=self.drain_grace,
+            unkillable_after=self.unkillable_after,
+        )
+
+    def core_config(self) -> CoreConfig:
+        """What the machine's decisions need of them."""
+        return CoreConfig(
+            graces=self.graces,
+            start_timeout=float(self.start_timeout),
+            max_frame=self.max_frame,
+            max_start_failures=self.max_start_failures,
+            heartbeat=None if self.heartbeat is None else float(self.heartbeat),
+        )
 
 
 def checked_profile(profile: object) -> Profile:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 
 import anyio
 
-from ..core import CancelCause, PoolClosedError, UnknownToolError, cancel_with_runtime_cause
+from ..core import CancelCause, PoolClosedError, UnknownToolError
 from ._calls import Call, Group, PoolPort
 from ._results import Result
 
@@ -220,7 +220,7 @@ class MapIterator(AsyncIterator[Result]):
             room -= 1
             if ordered:
                 window.append(call)
-            if call._result is None:
+            if not call.done():
                 call._on_settled = collector
             elif not ordered:
                 collector.ready.append(call)  # settled at once (a cancelled group...)
@@ -233,7 +233,7 @@ class MapIterator(AsyncIterator[Result]):
         """The next result to hand out, if one is there."""
         if self.ordered:
             window = self._window
-            if not window or window[0]._result is None:
+            if not window or not window[0].done():
                 return None
             call = window.popleft()
         else:
@@ -242,7 +242,7 @@ class MapIterator(AsyncIterator[Result]):
                 return None
             call = ready.popleft()
         self._taken += 1
-        return call._result
+        return call.result()
 
     def _take_all(self) -> list[Result]:
         out = []
@@ -258,8 +258,7 @@ class MapIterator(AsyncIterator[Result]):
         """Pull no more, and cancel every call not settled (cause ``parent``)."""
         self._closed = True
         self._pulling = False
-        if self._group._calls and not self._group.cancelled:
-            cancel_with_runtime_cause(self._group._controller, _PARENT)
+        self._group._cancel_unsettled(_PARENT)
         self._collector.poke()  # (a SyncPool's loop side may wait for credit)
 
     async def _settle_all(self) -> None:
@@ -324,7 +323,7 @@ class MapIterator(AsyncIterator[Result]):
         # loop, soon (not here: a collection may run in the middle of the pool's own code);
         # the pool tracks those calls until they settle.
         try:
-            if self._group._calls and not self._group.cancelled:
+            if self._group._unsettled():
                 self._call_soon(functools.partial(_cancel_group, self._group))
         except Exception:  # (the loop is gone, interpreter shutdown: nothing to cancel)
             pass
@@ -337,8 +336,7 @@ class MapIterator(AsyncIterator[Result]):
 
 def _cancel_group(group: Group) -> None:
     try:
-        if group._calls and not group.cancelled:
-            cancel_with_runtime_cause(group._controller, _PARENT)
+        group._cancel_unsettled(_PARENT)
     except Exception:  # (a loop callback: never let it take the loop down)
         _log.exception("could not cancel the calls of a dropped map")
 

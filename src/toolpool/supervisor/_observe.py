@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from types import MappingProxyType
 
 import anyio
@@ -66,13 +66,15 @@ def snapshot(core: Machine, probe: Probe, now: float, provider: str | None = Non
     )
 
 
-async def wait_settled_or_stuck(core: Machine, wait_changed: Callable[[], Awaitable[None]]) -> None:
+async def wait_settled_or_stuck(
+    core: Machine, faces: Mapping[int, Call], wait_changed: Callable[[], Awaitable[None]]
+) -> None:
     """Until every call has settled, or is held by an unkillable worker (the close's wait:
-    those settle only once their tree is gone, which may be never)."""
+    those settle only once their tree is gone, which may be never). ``faces``: the pool's
+    calls by id."""
     while not core.idle_or_stuck():
         stuck = {id(c) for w in core.unkillable() for c in w.calls}
-        call = next(c for c in core.calls.values() if id(c) not in stuck)
-        assert isinstance(call, Call)
+        call = faces[next(c for c in core.calls.values() if id(c) not in stuck).id]
         async with anyio.create_task_group() as tg:  # it settles, or a worker changed
             tg.start_soon(_then_cancel, call.wait, tg.cancel_scope)
             tg.start_soon(_then_cancel, wait_changed, tg.cancel_scope)
@@ -83,16 +85,19 @@ async def _then_cancel(fn: Callable[[], Awaitable[object]], scope: anyio.CancelS
     scope.cancel()
 
 
-def abandon_unsettled(core: Machine, probe: Probe) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def abandon_unsettled(
+    core: Machine, probe: Probe, faces: Mapping[int, Call]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """At the end of the close: the processes of unkillable trees still alive, and the calls
-    they keep from settling (logged; their waiters get PoolClosedError from now on)."""
+    they keep from settling (logged; their waiters get PoolClosedError from now on).
+    ``faces``: the pool's calls by id."""
     pids: set[int] = set()
     ids: list[int] = []
     for w in core.unkillable():
         tree = probe.tree_pids(w.wid, w.pid)
         pids.update(tree)
-        for call in w.calls:
-            assert isinstance(call, Call)
+        for record in w.calls:
+            call = faces[record.id]
             ids.append(call.id)
             call._abandon(
                 f"the pool closed, and call {call.id} ({call.tool}) is not settled: its "

@@ -29,7 +29,6 @@ import zmq
 from ..core import (
     DEFAULT_GRACES,
     CancelCause,
-    Graces,
     PoolClosedError,
     UnknownToolError,
     WorkerStartError,
@@ -48,8 +47,10 @@ from ._events import Listeners, ProviderRemoved, ToolsChanged, frozen_catalog
 from ._hosting import (
     DEFAULT_PREFETCH,
     Hosting,
+    PoolOptions,
     ProviderOptions,
-    check_pool_options,
+    StartMethod,
+    WorkerOutput,
     checked_profile,
     prepare_layers,
     provider_options,
@@ -68,7 +69,8 @@ from .machine import (
     QUEUE_BEHIND_FOR,
     TIMEOUT_TEXT,
     WORKER_LOST_TEXT,
-    CoreConfig,
+    CallRecord,
+    CallState,
     Machine,
 )
 
@@ -88,10 +90,13 @@ __all__ = (
 _log = logging.getLogger("toolpool.supervisor")
 
 _DISPOSED: Final = CancelCause("disposed")
+_NO_ARGS: Final = pack_value({}, "args")  # (args=None: packed once)
 _PARENT: Final = CancelCause("parent")
 
-WorkerOutput = Literal["discard", "inherit"]
-StartMethod = Literal["fork", "spawn"]
+
+def _new_secret() -> bytes:
+    """A new worker's secret, which its hello must carry."""
+    return secrets.token_hex(32).encode()
 
 
 @final
@@ -187,23 +192,22 @@ class Pool(Channels, Hosting):
             state). A call counts once it settled in that worker, unless its body surely
             never started. None (default): workers serve until the pool closes.
         """
-        check_pool_options(
-            max_start_failures=max_start_failures,
-            seconds={
-                "cancel_grace": cancel_grace,
-                "term_grace": term_grace,
-                "start_timeout": start_timeout,
-                "drain_grace": drain_grace,
-                "unkillable_after": unkillable_after,
-            },
-            heartbeat=heartbeat,
-            worker_output=worker_output,
+        options = PoolOptions(
+            cancel_grace=cancel_grace,
+            term_grace=term_grace,
+            drain_grace=drain_grace,
+            unkillable_after=unkillable_after,
+            start_timeout=start_timeout,
             max_frame=max_frame,
+            max_start_failures=max_start_failures,
+            worker_output=worker_output,
             start_method=start_method,
+            heartbeat=heartbeat,
         )
-        options = None
+        options.check()
+        default = None
         if tools is not None:  # the provider "default", with the options that are its own
-            options = provider_options(
+            default = provider_options(
                 "default",
                 tools,
                 workers=workers,
@@ -217,44 +221,43 @@ class Pool(Channels, Hosting):
                 max_frame=max_frame,
                 max_calls_per_worker=max_calls_per_worker,
             )
-        self.profile = options.profile if options is not None else checked_profile(profile)
-        self.tools_spec = tools or ""
-        self.size = options.workers if options is not None else 0
+        self._files = WorkerFiles()  # the probe: the ledger and cgroup files it holds open
+        self._core = Machine(options.core_config(), self._files, _new_secret)
+        self._adopt(options, default, profile, env, allow_background)
+        self._options: dict[str, ProviderOptions] = {}
+        if default is not None:  # entering the machine as any provider does (started by start)
+            self._options["default"] = default
+            self._core.add_provider("default", default.spec(), time.monotonic())
+        self._init_shell()
+
+    def _adopt(
+        self,
+        options: PoolOptions,
+        default: ProviderOptions | None,
+        profile: Profile | str,
+        env: Mapping[str, str] | None,
+        allow_background: bool,
+    ) -> None:
+        """The pool's public attributes: its own options (as its machine took them), and its
+        ``"default"`` provider's (``default``: None for a pool without one)."""
+        self.profile = default.profile if default is not None else checked_profile(profile)
+        self.tools_spec = default.tools if default is not None else ""
+        self.size = default.workers if default is not None else 0
         #: The graces of its calls' escalation, its drains, and its unkillable workers.
-        self.graces = Graces(
-            cancel=cancel_grace,
-            term=term_grace,
-            drain=drain_grace,
-            unkillable_after=unkillable_after,
-        )
+        self.graces = self._core.config.graces
         self.cancel_grace, self.term_grace = self.graces.cancel, self.graces.term
         self.drain_grace, self.unkillable_after = self.graces.drain, self.graces.unkillable_after
-        self.start_timeout = float(start_timeout)
-        self.max_frame = max_frame
-        self.max_start_failures = max_start_failures
-        self.worker_output: WorkerOutput = worker_output
+        self.start_timeout = self._core.config.start_timeout
+        self.max_frame = options.max_frame
+        self.max_start_failures = options.max_start_failures
+        self.worker_output: WorkerOutput = options.worker_output
         self._env = dict(env) if env is not None else None
         self.allow_background = bool(allow_background)
-        self.heartbeat = None if heartbeat is None else float(heartbeat)
-        self.warm_spares = options.warm_spares if options is not None else 0
-        self.start_method: StartMethod = start_method
-        self.prefetch = options.prefetch if options is not None else DEFAULT_PREFETCH
-        self.capture_output = options.capture_output if options is not None else None
-        self._files = WorkerFiles()
-        config = CoreConfig(
-            graces=self.graces,
-            start_timeout=self.start_timeout,
-            max_frame=max_frame,
-            max_start_failures=max_start_failures,
-            heartbeat=self.heartbeat,
-        )
-        # The probe: the ledger and cgroup files it holds open.
-        self._core = Machine(config, self._files, lambda: secrets.token_hex(32).encode())
-        self._options: dict[str, ProviderOptions] = {}
-        if options is not None:  # entering the machine as any provider does (started by start)
-            self._options["default"] = options
-            self._core.add_provider("default", options.spec(), time.monotonic())
-        self._init_shell()
+        self.heartbeat = self._core.config.heartbeat
+        self.warm_spares = default.warm_spares if default is not None else 0
+        self.start_method: StartMethod = options.start_method
+        self.prefetch = default.prefetch if default is not None else DEFAULT_PREFETCH
+        self.capture_output = default.capture_output if default is not None else None
 
     def _init_shell(self) -> None:
         """The shell's own state: listeners, the reaper, sockets, calls, tasks."""
@@ -270,6 +273,7 @@ class Pool(Channels, Hosting):
         self._io = self._files.ios  # by worker id
         self._closing: set[WorkerIO] = set()  # gone, their sockets not closed yet
         self._groups: weakref.WeakSet[Group] = weakref.WeakSet()
+        self._faces: dict[int, Call] = {}  # the unsettled calls' faces, by id (_calls.py)
         self._call_ids = 0
         self._pumping = False
         self._port = Port(self)  # what its calls, groups and maps may ask of it
@@ -378,10 +382,10 @@ class Pool(Channels, Hosting):
                 self._listeners.emit(ToolsChanged(frozen_catalog({})))
             core.closing = True
             for group in list(self._groups):
-                cancel_with_runtime_cause(group._controller, _DISPOSED)
+                cancel_with_runtime_cause(group._record._controller, _DISPOSED)
             core.close(time.monotonic())
             self._pump()
-            await wait_settled_or_stuck(self._core, self._wait_changed)
+            await wait_settled_or_stuck(self._core, self._faces, self._wait_changed)
             await self._teardown()
         await self._exit_task_group()
         return self._close_report
@@ -430,7 +434,7 @@ class Pool(Channels, Hosting):
         self._pump()
         with anyio.move_on_after(KILL_WAIT):
             await self._wait_all_gone()
-        unkillable, unsettled = abandon_unsettled(self._core, self._files)
+        unkillable, unsettled = abandon_unsettled(self._core, self._files, self._faces)
         if self._reaper is not None:
             self._reaper_closing = True  # its end is no loss now
             await self._reaper.aclose()
@@ -554,11 +558,9 @@ class Pool(Channels, Hosting):
     async def wait_idle(self) -> None:
         """Wait until no call is queued or running (a call held by an ``unkillable`` worker
         runs until its tree is gone)."""
-        calls = self._core.calls
-        while calls:
-            call = next(iter(calls.values()))
-            assert isinstance(call, Call)
-            await call.wait()
+        faces = self._faces  # (a call settled in the core, but not performed yet, is here)
+        while faces:
+            await next(iter(faces.values())).wait()
 
     def statistics(self, provider: str | None = None) -> Statistics:
         """A frozen snapshot of the pool, or (``provider``) of one provider's part of it: its
@@ -630,15 +632,18 @@ class Pool(Channels, Hosting):
         if provider.broken is not None:
             raise provider.broken
         if args is None:
-            args = {}
-        if not isinstance(args, Mapping):
-            raise TypeError(f"args must be a mapping, not {type(args).__name__}")
-        packed = pack_value(dict(args), "args")
-        if len(packed) > self.max_frame - 1024:
-            raise ValueError(
-                f"args of {len(packed)} bytes exceed the {self.max_frame - 1024} bytes a call "
-                f"can carry (max_frame={self.max_frame}, less 1,024 for the call's own fields)"
-            )
+            packed = _NO_ARGS  # (1 byte: it fits any max_frame)
+        else:
+            if type(args) is dict or isinstance(args, Mapping):
+                packed = pack_value(args if type(args) is dict else dict(args), "args")
+            else:
+                raise TypeError(f"args must be a mapping, not {type(args).__name__}")
+            if len(packed) > self.max_frame - 1024:
+                raise ValueError(
+                    f"args of {len(packed)} bytes exceed the {self.max_frame - 1024} bytes a "
+                    f"call can carry (max_frame={self.max_frame}, less 1,024 for the call's "
+                    "own fields)"
+                )
         if timeout is not None and (
             isinstance(timeout, bool)
             or not isinstance(timeout, (int, float))
@@ -649,20 +654,22 @@ class Pool(Channels, Hosting):
             timeout = self._options[provider.name].timeout
         now = time.monotonic()
         self._call_ids += 1
-        call = Call(self._port, self._call_ids, tool, packed, group, now)
-        call._index = index
-        self._core.submit(call, timeout=timeout, now=now)
+        record = CallRecord(self._call_ids, tool, packed, group and group._record, now)
+        record._index = index
+        call = self._faces[record.id] = Call(self._port, record)
+        self._core.submit(record, timeout=timeout, now=now)
         self._pump()
         return call
 
     def _cancel(self, call: Call, cause: CancelCause, *, force: bool) -> None:
-        if call._result is not None:
+        record = call._record
+        if record._state is CallState.SETTLED:
             return
-        self._core.cancel(call, cause, force=force, now=time.monotonic())
+        self._core.cancel(record, cause, force=force, now=time.monotonic())
         self._pump()
 
     def _group_cancelled(self, group: Group, cause: CancelCause) -> None:
-        self._core.cancel_group(group, cause, time.monotonic())
+        self._core.cancel_group(group._record, cause, time.monotonic())
         self._pump()
 
     def __repr__(self) -> str:
@@ -710,6 +717,13 @@ class Port:
 
     def cancel_group(self, group: Group, cause: CancelCause) -> None:
         self._pool._group_cancelled(group, cause)
+
+    def call_of(self, call_id: int) -> Call | None:
+        return self._pool._faces.get(call_id)
+
+    def unsettled(self) -> list[Call]:
+        """The faces of the calls not settled yet (a snapshot)."""
+        return list(self._pool._faces.values())
 
     def new_group(self) -> Group:
         return self._pool.group()

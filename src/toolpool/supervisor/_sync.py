@@ -254,7 +254,7 @@ class SyncPool:
 
     def _kill_all(self) -> int:
         """In the loop: a forced cancel of every call not settled; how many there were."""
-        calls = [c for c in list(self._pool._core.calls.values()) if isinstance(c, Call)]
+        calls = port_of(self._pool).unsettled()
         for call in calls:
             call.cancel(force=True)
         return len(calls)

@@ -297,7 +297,8 @@ async def _litter_then_exit(pool: Any, threat: Threat, marker: str) -> Observed:
     try:
         bystander = pool.submit("cooperative", {"seconds": 120.0})
         await bystander.wait_started()
-        busy = bystander._worker.pid if bystander._worker is not None else None
+        worker = bystander._record._worker  # (the machine's record of the call)
+        busy = worker.pid if worker is not None else None
         cwds = {pid: _cwd(pid) for pid in pool.worker_pids if pid != busy}
         result = await pool.call(threat.tool, {**threat.args, "outside": outside, "leave": "exit"})
         scratch = cwds.get(result.worker_pid)

@@ -89,7 +89,7 @@ class Dispatch:
                 self.s.probe.reset_peak(w.wid)  # the call's peak starts now
             w.calls.append(call)
             call._worker = w
-            call._advance(_SENT)
+            call.advance(_SENT)
             batches.setdefault(w, []).append(call)
         if p.settled_in_queue:
             self.settlement.compact_queue(p)  # (what went out may leave it mostly settled calls)
@@ -187,7 +187,7 @@ class Dispatch:
     def requeue(self, call: CallRecord) -> None:
         """A call its worker never took up goes back to the front of the queue."""
         call._worker = None
-        call._advance(_QUEUED)
+        call.advance(_QUEUED)
         call._recalling = False
         call._rung = Rung.NONE
         for step in ("dispatched", "sigterm", "sigkill"):

@@ -147,7 +147,7 @@ class Lifecycle:
             if call is None or call.id != msg.call_id or call._started:
                 raise ProtocolViolation(f"'started' for call {msg.call_id}, which it does not run")
             call._started = True
-            call._advance(CallState.RUNNING)
+            call.advance(CallState.RUNNING)
             call._times["started"] = self.s.now
             self.s.act(Started(call))
         elif isinstance(msg, CancelAck):

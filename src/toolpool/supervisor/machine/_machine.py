@@ -351,7 +351,7 @@ class Machine:
         for call in s.calls.values():
             # Only unsettled calls are held (bounded memory).
             require(call._state is not CallState.SETTLED, call)
-            call._check()
+            call.check()
         for w in s.workers.values():
             # A gone worker is forgotten in the same event.
             require(not w.gone, w)

@@ -1,9 +1,9 @@
 """What the machine knows of calls, groups, providers and workers: plain data, no I/O.
 
 The parts of the machine (``_machine.py`` and the parts it owns) read and change these
-records; the shell (``supervisor/_pool.py``) creates calls and groups (the public
-:class:`toolpool.Call` and :class:`toolpool.Group` extend the records here with their
-awaitable faces).
+records; the shell (``supervisor/_pool.py``) creates calls and groups: the public
+:class:`toolpool.Call` and :class:`toolpool.Group` (``supervisor/_calls.py``) each hold
+their record here, and the machine knows nothing of them.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class CallState(enum.Enum):
     """It has its result; the pool holds no reference to it any more."""
 
 
-#: A call's legal moves: from each state, where it may go (``CallRecord._advance``). A call
+#: A call's legal moves: from each state, where it may go (``CallRecord.advance``). A call
 #: withdrawn from its worker, or never taken up by one that died, goes back to the queue.
 CALL_MOVES: Final[dict[CallState, frozenset[CallState]]] = {
     CallState.QUEUED: frozenset((CallState.SENT, CallState.SETTLED)),
@@ -91,7 +91,7 @@ _CALL_NEXT: Final = _by_name(CALL_MOVES)
 
 
 class CallRecord:
-    """A call as the core tracks it. The public :class:`toolpool.Call` extends it."""
+    """A call as the core tracks it. The public :class:`toolpool.Call` holds it."""
 
     __slots__ = (
         "_args",
@@ -144,14 +144,13 @@ class CallRecord:
         self._times: dict[str, float] = {"submitted": now}
         self._progress: Progress | None = None  # what its body last reported
 
-    def _advance(self, to: CallState) -> None:
-        """Move to ``to``, if ``CALL_MOVES`` lets it (else :class:`IllegalMove`). (Named
-        with an underscore: the public :class:`toolpool.Call` extends this record.)"""
+    def advance(self, to: CallState) -> None:
+        """Move to ``to``, if ``CALL_MOVES`` lets it (else :class:`IllegalMove`)."""
         if to._name_ not in _CALL_NEXT[self._state._name_]:
             raise _illegal(self, self._state, to)
         self._state = to
 
-    def _check(self) -> None:
+    def check(self) -> None:
         """The invariants between its fields (``Machine.check``)."""
         state, worker = self._state, self._worker
         # Settled exactly when it has its result.
@@ -178,7 +177,7 @@ class CallRecord:
 
 class GroupRecord:
     """A group (turn) as the core tracks it: its cancel controller and its unsettled calls.
-    The public :class:`toolpool.Group` extends it."""
+    The public :class:`toolpool.Group` holds it."""
 
     def __init__(self) -> None:
         self._controller = CancelController()

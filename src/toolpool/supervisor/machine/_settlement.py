@@ -107,7 +107,7 @@ class Settlement:
         )
         if call._queued:
             self._forget_queued(call)
-        call._advance(_SETTLED)
+        call.advance(_SETTLED)
         kind = outcome._value_  # (not .value: a property, on the hot path)
         owner = call._owner
         tally = owner.tally if owner is not None else s.tallies[""]
