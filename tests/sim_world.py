@@ -32,6 +32,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,6 @@ from toolpool.worker._machine import (
     IllegalPhaseMove,
     KeepResult,
     MarkInvoked,
-    MarkTaken,
     RunCall,
     SendFrames,
     WorkerMachine,
@@ -604,15 +604,12 @@ class World:
         elif tool == "leaves":
             self.finish(w, "ok", started=True, leftovers=1)
 
-    def act(self, w: FakeWorker, actions: list[Any]) -> None:
+    def act(self, w: FakeWorker, actions: Sequence[Any]) -> None:
         """Perform what w's machine asked, as the worker's shell (``_server.py``) does."""
         for action in actions:
             if isinstance(action, SendFrames):
                 for frame in action.frames:
                     w.outbox.append(decode_from_worker(frame))
-            elif isinstance(action, MarkTaken):
-                w.taken_mark = action.call_id + 1
-                self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
             elif isinstance(action, MarkInvoked):
                 w.invoked_mark = action.call_id + 1
                 self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
@@ -622,6 +619,9 @@ class World:
                 if w.current is not None and w.current.call_id == action.call_id:
                     w.current.cancelled = True
             elif isinstance(action, RunCall):
+                if action.mark:
+                    w.taken_mark = action.msg.call_id + 1
+                    self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
                 self.check_take(w, action.msg)
                 w.current = Body(action.msg.call_id, action.msg.tool)
 
@@ -724,13 +724,13 @@ class World:
             core.check()  # the machine's own invariants, at the records' fields
         except AssertionError as exc:
             raise Violation(f"the machine's invariant broke: {exc!r}") from exc
-        for w in self.workers.values():
-            if not w.alive:
+        for fake in self.workers.values():
+            if not fake.alive:
                 continue
             try:
-                w.machine.check()  # each worker's machine's own
+                fake.machine.check()  # each worker's machine's own
             except AssertionError as exc:
-                raise Violation(f"worker {w.wid}'s machine's invariant broke: {exc!r}") from exc
+                raise Violation(f"worker {fake.wid}'s machine's invariant broke: {exc!r}") from exc
         # Two-level liveness: the core says a worker is hung exactly when it has read
         # neither hello nor heartbeat from it for HUNG_AFTER; one that beats never is.
         for wid, core_w in core.workers.items():

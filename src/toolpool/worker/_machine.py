@@ -10,8 +10,8 @@ while quick calls follow, and not taking up a call while a result that is not ke
 (``tests/test_core_is_sans_io.py``).
 
 The shell, ``_server.py``, turns the socket, the ledger, the body's run and the clock into
-events and performs the actions (``SendFrames``, ``MarkTaken``, ``MarkInvoked``,
-``KeepResult``, ``FireCancel``, ``RunCall``); its locking and its two threads are its own.
+events and performs the actions (``SendFrames``, ``RunCall``, ``MarkInvoked``, ``KeepResult``,
+``FireCancel``); its locking and its two threads are its own.
 The simulation (``tests/sim_world.py``) drives this same machine for its modelled workers.
 
 The worker is in one of three phases (``PHASE_MOVES``): ``idle`` (no call taken up), ``running``
@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 from typing import Any, Final, NamedTuple
 
 from ..protocol import (
@@ -56,7 +57,6 @@ __all__ = (
     "IllegalPhaseMove",
     "KeepResult",
     "MarkInvoked",
-    "MarkTaken",
     "Phase",
     "RunCall",
     "SendFrames",
@@ -85,7 +85,9 @@ PHASE_MOVES: Final[dict[Phase, frozenset[Phase]]] = {
     Phase.RUNNING: frozenset((Phase.IDLE, Phase.HELD)),
     Phase.HELD: frozenset((Phase.IDLE,)),
 }
-_NEXT: Final = {old._name_: frozenset(n._name_ for n in news) for old, news in PHASE_MOVES.items()}
+# By name, as tuples: a member's hash is computed in Python (``Enum.__hash__``), and a tuple's
+# ``in`` compares members by identity first (``advance`` is on every call's path).
+_NEXT: Final = {old._name_: tuple(news) for old, news in PHASE_MOVES.items()}
 _IDLE, _RUNNING, _HELD = Phase.IDLE, Phase.RUNNING, Phase.HELD
 
 
@@ -101,12 +103,6 @@ class SendFrames(NamedTuple):
     """Send ``frames`` as one message (one frame, or several results held back)."""
 
     frames: list[bytes]
-
-
-class MarkTaken(NamedTuple):
-    """Mark ``call_id`` taken up in the ledger (before anything of it runs)."""
-
-    call_id: int
 
 
 class MarkInvoked(NamedTuple):
@@ -132,17 +128,22 @@ class FireCancel(NamedTuple):
 
 
 class RunCall(NamedTuple):
-    """Run ``msg``, taken up now (its ``MarkTaken`` came first)."""
+    """Run ``msg``, taken up now: first, if ``mark``, mark it taken up in the ledger (before
+    anything of it runs)."""
 
     msg: CallMessage
+    mark: bool
 
 
-WorkerAction = SendFrames | MarkTaken | MarkInvoked | KeepResult | FireCancel | RunCall
+WorkerAction = SendFrames | RunCall | MarkInvoked | KeepResult | FireCancel
+#: No action (the most frequent answer: shared, never changed).
+_NONE: Final[Sequence[WorkerAction]] = ()
 
 
 class WorkerMachine:
     """The worker's decisions (see the module's doc). Each event method returns the actions
-    it asks for, in order (a shared empty tuple when none)."""
+    it asks for, in order (a shared empty tuple when none: the returned sequence is read,
+    never changed)."""
 
     def __init__(
         self,
@@ -178,7 +179,7 @@ class WorkerMachine:
     def advance(self, to: Phase) -> None:
         """Move to ``to``, if ``PHASE_MOVES`` lets it (staying is no move); else
         :class:`IllegalPhaseMove`."""
-        if to is not self.phase and to._name_ not in _NEXT[self.phase._name_]:
+        if to is not self.phase and to not in _NEXT[self.phase._name_]:
             raise IllegalPhaseMove(f"worker: {self.phase.value} -> {to.value} is not a legal move")
         self.phase = to
 
@@ -215,17 +216,19 @@ class WorkerMachine:
 
     # Events.
 
-    def receive(self, msg: Any) -> list[WorkerAction]:
+    def receive(self, msg: Any) -> Sequence[WorkerAction]:
         """A message from the supervisor (decoded, checked)."""
-        out: list[WorkerAction] = []
         if isinstance(msg, CallMessage):
             if msg.acked > self.acked:
                 self.acked = msg.acked
             self.queue.append(msg)  # taken up in order
-        elif isinstance(msg, Ack):
+            return _NONE
+        if isinstance(msg, Ack):
             if msg.results > self.acked:
                 self.acked = msg.results
-        elif isinstance(msg, Cancel):
+            return _NONE
+        out: list[WorkerAction] = []
+        if isinstance(msg, Cancel):
             if self.current == msg.call_id:
                 self._send(out, encode(CancelAck(msg.call_id)))
                 out.append(FireCancel(msg.call_id, msg.cause))
@@ -244,9 +247,9 @@ class WorkerMachine:
                 self._withdraw(out, self.queue[0].call_id)
         return out
 
-    def next(self) -> list[WorkerAction]:
-        """No call runs: take up the next queued call, if it may be (``MarkTaken``,
-        ``RunCall``); if not, what was held back goes now."""
+    def next(self) -> Sequence[WorkerAction]:
+        """No call runs: take up the next queued call, if it may be (``RunCall``); if not,
+        what was held back goes now."""
         if not (self.phase is _IDLE and self._may_take()):
             # A result sent is in neither the ledger nor the supervisor's hands yet, or
             # nothing is taken up now: what was held back goes at once.
@@ -254,11 +257,9 @@ class WorkerMachine:
         msg = self.queue.popleft()
         self.advance(_RUNNING)
         self.current = msg.call_id
-        if self.ledger:
-            return [MarkTaken(msg.call_id), RunCall(msg)]
-        return [RunCall(msg)]
+        return (RunCall(msg, self.ledger),)
 
-    def invoked(self, call_id: int, is_async: bool) -> list[WorkerAction]:
+    def invoked(self, call_id: int, is_async: bool) -> Sequence[WorkerAction]:
         """The body is about to be invoked: the ledger says so first. An async body is said
         'started' at once; a sync one once it has run a while (:meth:`body_running`)."""
         out: list[WorkerAction] = [MarkInvoked(call_id)] if self.ledger else []
@@ -267,7 +268,7 @@ class WorkerMachine:
             self._send(out, encode(StartedMessage(call_id)))
         return out
 
-    def body_running(self, call_id: int) -> list[WorkerAction]:
+    def body_running(self, call_id: int) -> Sequence[WorkerAction]:
         """The invoked body has run past the quick wait: say 'started' (once), after what was
         held back; else send what was held back."""
         if self.said_started != call_id and self.current == call_id:
@@ -277,7 +278,7 @@ class WorkerMachine:
             return out
         return self.flush()
 
-    def conclude(self, reply: ResultMessage) -> list[WorkerAction]:
+    def conclude(self, reply: ResultMessage) -> Sequence[WorkerAction]:
         """The running call is over with ``reply`` (its ``leftovers`` counted by the shell;
         ``extras`` changed in place): keep it in a ledger slot if one is free and it fits,
         and send it, or hold it back while another call is queued."""
@@ -325,17 +326,17 @@ class WorkerMachine:
             self._send(out, frame)
         return out
 
-    def flush(self) -> list[WorkerAction]:
+    def flush(self) -> Sequence[WorkerAction]:
         """Send the results held back, in order, as one message."""
         if not self.pending:
-            return []
+            return _NONE
         pending, self.pending = self.pending, []
-        return [SendFrames(pending)]
+        return (SendFrames(pending),)
 
-    def beat(self, now: float) -> list[WorkerAction]:
+    def beat(self, now: float) -> Sequence[WorkerAction]:
         """The time is ``now``: a heartbeat, if one is due."""
         if now < self.beat_due:
-            return []
+            return _NONE
         self.beat_due = now + self.heartbeat
         out: list[WorkerAction] = []
         self._send(out, encode(Heartbeat()))
@@ -358,15 +359,15 @@ class WorkerMachine:
         self.progress_new = True
         return True
 
-    def send_progress(self, now: float, call_id: int) -> tuple[list[WorkerAction], int | None]:
+    def send_progress(self, now: float, call_id: int) -> tuple[Sequence[WorkerAction], int | None]:
         """Once call_id's body is said started: its latest progress report, unless one went
         out less than ``PROGRESS_INTERVAL`` ago; and how long (ms) until it may (None:
         nothing waits)."""
         if not self.progress_new:
-            return [], None
+            return _NONE, None
         wait = self.progress_sent_at + PROGRESS_INTERVAL - now
         if wait > 0:
-            return [], max(1, math.ceil(wait * 1000))
+            return _NONE, max(1, math.ceil(wait * 1000))
         self.progress_new = False  # (before reading it: a report from now on sets it again)
         report = self.progress
         out: list[WorkerAction] = []

@@ -43,7 +43,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..core import CancelCause, CancelController, cancel_with_runtime_cause
@@ -64,7 +64,6 @@ from ._machine import (
     FireCancel,
     KeepResult,
     MarkInvoked,
-    MarkTaken,
     RunCall,
     SendFrames,
     WorkerAction,
@@ -314,8 +313,8 @@ class _Server:
             self._perform(out)
             return None
         msg = run.msg
-        if len(out) > 1:
-            write_taken(self.ledger, msg.call_id)  # type: ignore[arg-type]  # (MarkTaken)
+        if run.mark:
+            write_taken(self.ledger, msg.call_id)  # type: ignore[arg-type]
         controller = CancelController()
         self.current = (msg.call_id, controller)
         self.started_at = 0.0
@@ -375,7 +374,7 @@ class _Server:
         for controller, cause in fire:
             cancel_with_runtime_cause(controller, cause)
 
-    def _perform(self, actions: list[WorkerAction]) -> None:
+    def _perform(self, actions: Sequence[WorkerAction]) -> None:
         """With the lock: do what the machine asked, in order."""
         for action in actions:
             if isinstance(action, SendFrames):
@@ -388,9 +387,6 @@ class _Server:
             elif isinstance(action, KeepResult):
                 assert self.ledger is not None
                 write_slot(self.ledger, action.slot, action.seq, action.frame)
-            elif isinstance(action, MarkTaken):
-                assert self.ledger is not None
-                write_taken(self.ledger, action.call_id)
             elif isinstance(action, MarkInvoked):
                 assert self.ledger is not None
                 write_invoked(self.ledger, action.call_id)
