@@ -150,7 +150,8 @@ class _Server:
         self.taken_at = 0.0  # when the current call was taken up
         self.started_at = 0.0  # when the current call's body was invoked
         # The end of the last call: its CPU reading (the next call's start, unless children
-        # were reaped between), and whether the worker had a child then.
+        # were reaped between or the worker idled a heartbeat interval), and whether the
+        # worker had a child then.
         self._usage: tuple[float, float] | None = None
         self._had_children = True
         self._fire: list[tuple[CancelController, CancelCause]] = []  # cancels, outside `mu`
@@ -202,6 +203,9 @@ class _Server:
                 try:
                     frames = sock.recv_multipart()
                 except self._again:
+                    # A heartbeat interval without a call: the next call's CPU is read
+                    # afresh (what the worker's threads spent idle is not its).
+                    self._usage = None
                     continue
                 with self.mu:
                     self._handle_frames(frames)
@@ -464,9 +468,9 @@ class _Server:
     # What every call does.
 
     def _begin(self) -> tuple[float, float]:
-        """The call's start: its CPU reading is the last call's end (one reading a call),
-        unless the worker had children then: those the supervisor killed since are reaped,
-        and read afresh."""
+        """The call's start: its CPU reading is the last call's end (one reading a call), if
+        this call came within a heartbeat interval of it, and the worker had no child then
+        (else those the supervisor killed since are reaped, and the reading is afresh)."""
         usage = self._usage
         if self._had_children or usage is None:
             reap_zombies()  # leftovers the supervisor killed between calls
