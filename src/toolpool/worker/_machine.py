@@ -52,6 +52,7 @@ from ..protocol._ledger import SLOT_PAYLOAD, SLOTS
 
 __all__ = (
     "HOLD_BACK",
+    "BrokenWorkerInvariant",
     "PHASE_MOVES",
     "FireCancel",
     "IllegalPhaseMove",
@@ -94,6 +95,15 @@ _IDLE, _RUNNING, _HELD = Phase.IDLE, Phase.RUNNING, Phase.HELD
 class IllegalPhaseMove(RuntimeError):
     """The worker was asked to move where ``PHASE_MOVES`` does not let it: a bug of the
     machine, never the supervisor's doing."""
+
+
+class BrokenWorkerInvariant(AssertionError):
+    """An invariant of the worker's machine broke (:meth:`WorkerMachine.check`)."""
+
+
+def _require(holds: bool, *what: object) -> None:
+    if not holds:
+        raise BrokenWorkerInvariant(*what)
 
 
 # Actions: what the machine asks the shell to do, in order.
@@ -184,31 +194,28 @@ class WorkerMachine:
         self.phase = to
 
     def check(self) -> None:
-        """The invariants between its fields (AssertionError where one broke)."""
+        """The invariants between its fields (:class:`BrokenWorkerInvariant` where one
+        broke: a bug of the machine)."""
         phase = self.phase
         # A call is taken up exactly while running, and is no longer queued.
-        assert (phase is _RUNNING) == (self.current is not None), (phase, self.current)
-        assert all(m.call_id != self.current for m in self.queue), self.current
+        _require((phase is _RUNNING) == (self.current is not None), phase, self.current)
+        _require(all(m.call_id != self.current for m in self.queue), self.current)
         # Held only for leftovers that are not allowed.
-        assert not (phase is _HELD and self.allow_background), phase
+        _require(not (phase is _HELD and self.allow_background), phase)
         # Acks count results that were sent; an unkept result is one of them.
-        assert 0 <= self.need_ack <= self.results, (self.need_ack, self.results)
-        assert self.acked <= self.results, (self.acked, self.results)
+        _require(0 <= self.need_ack <= self.results, self.need_ack, self.results)
+        _require(self.acked <= self.results, self.acked, self.results)
         # Slots keep distinct results, each one concluded; held back only what is kept.
         kept = [seq for seq in self.slots if seq]
-        assert len(kept) == len(set(kept)), self.slots
-        assert all(s <= self.results for s in kept), self.slots
-        assert len(self.pending) <= HOLD_BACK, len(self.pending)
-        assert self.ledger or not self.pending, "held back a result without a ledger"
+        _require(len(kept) == len(set(kept)), self.slots)
+        _require(all(seq <= self.results for seq in kept), self.slots)
+        _require(len(self.pending) <= HOLD_BACK, len(self.pending))
+        _require(self.ledger or not self.pending, "held back a result without a ledger")
 
     @property
     def done(self) -> bool:
         """Told to shut down, and no call runs: the worker exits."""
         return self.shutdown and self.phase is not _RUNNING
-
-    def may_take(self) -> bool:
-        """Whether the next queued call may be taken up now."""
-        return self.phase is _IDLE and self._may_take()
 
     def _may_take(self) -> bool:  # (hostile_tools.py patches it)
         # Not while a result that is in neither the ledger nor the supervisor's hands.
@@ -322,8 +329,10 @@ class WorkerMachine:
             # Another call is queued: send this result with the next ones, in one go (one
             # wake-up of each side's zmq thread for several). It is in the ledger meanwhile.
             self.pending.append(frame)
+        elif self.pending:
+            self._send(out, frame)  # after what was held back
         else:
-            self._send(out, frame)
+            out.append(SendFrames([frame]))
         return out
 
     def flush(self) -> Sequence[WorkerAction]:

@@ -188,10 +188,11 @@ class _Server:
                     self._drain()
                     if self._failure is not None:
                         raise self._failure
-                    if self.machine.done:
+                    machine = self.machine
+                    if machine.shutdown and machine.done:  # (one attribute while serving)
                         break
-                    if time.monotonic() >= self.machine.beat_due:  # (also in quick calls)
-                        self._perform(self.machine.beat(time.monotonic()))
+                    if time.monotonic() >= machine.beat_due:  # (also in quick calls)
+                        self._perform(machine.beat(time.monotonic()))
                     job = self._next()
                 self._fire_cancels()
                 if job is not None:
