@@ -29,7 +29,7 @@ import time
 
 import zmq
 
-from toolpool.protocol import Call, Result, Shutdown, decode_from_worker, encode
+from toolpool.protocol import CallMessage, ResultMessage, Shutdown, decode_from_worker, encode
 from toolpool.protocol._ledger import LEDGER_SIZE
 from toolpool.worker import _server
 from toolpool.worker._main import load_registry
@@ -52,7 +52,7 @@ class FakeSupervisor:
     def _next(self) -> None:
         if self.sent < self.n:
             self.sent += 1
-            self.inbox.append(encode(Call(self.sent, "noop", NO_ARGS, self.results)))
+            self.inbox.append(encode(CallMessage(self.sent, "noop", NO_ARGS, self.results)))
         else:
             self.inbox.append(encode(Shutdown()))
 
@@ -81,7 +81,7 @@ class FakeSupervisor:
 
     def send(self, frame: bytes, flags: int = 0, copy: bool = True) -> None:
         msg = decode_from_worker(frame)
-        if isinstance(msg, Result):
+        if isinstance(msg, ResultMessage):
             assert msg.outcome == "ok", msg
             self.results += 1
             self._next()

@@ -476,14 +476,16 @@ def keep_queue_hostage(queued: int = 0) -> int:
 
     (server,) = [obj for obj in gc.get_objects() if isinstance(obj, worker_main._Server)]
     deadline = time.monotonic() + 10
-    while len(server.queue) < queued and time.monotonic() < deadline:
+    machine = server.machine  # (its decisions: worker/_machine.py)
+    while len(machine.queue) < queued and time.monotonic() < deadline:
         time.sleep(0.001)  # no event to wait on: the worker's loop appends to its queue
 
     # Its main thread takes up nothing more. (It still sends the results it
     # holds back: its own call's result is one of them.)
-    worker_main._Server._may_take = lambda self: False  # type: ignore[method-assign]
-    worker_main._Server._withdraw = lambda self, call_id: None  # type: ignore[method-assign]
-    return len(server.queue)
+    machine_class = type(machine)
+    machine_class._may_take = lambda self: False  # type: ignore[method-assign]
+    machine_class._withdraw = lambda self, out, call_id: None  # type: ignore[method-assign]
+    return len(machine.queue)
 
 
 @registry.tool
@@ -496,7 +498,7 @@ async def forge_ledger_then_garbage(execution: ToolExecution, seconds: float = 3
     (server,) = [obj for obj in gc.get_objects() if isinstance(obj, _Server)]
     call_id = int(execution.call_id)
     forged = Result(call_id, "ok", msgpack.packb("forged"), None, None, True, {})
-    write_slot(worker_ledger(), 0, server.results + 1, encode(forged))
+    write_slot(worker_ledger(), 0, server.machine.results + 1, encode(forged))
     worker_socket().send(hostile_frame("garbage", call_id, 0, 0)[0])
     with anyio.move_on_after(seconds):
         await execution.signal.wait()

@@ -1,12 +1,18 @@
 """Deterministic simulation of the pool's core (``toolpool.supervisor.machine``).
 
 The core is driven through random schedules against a model of the world: worker processes
-that take calls in order, mark their ledger, run bodies that return, cooperate, ignore their
-signal, crash, or leave processes behind, answer cancels, recalls and shutdowns as the real
-worker does, send heartbeats and progress, hang (no thread runs: no heartbeat, nothing read,
+whose decisions are the real worker's own (each drives a ``WorkerMachine``,
+``toolpool/worker/_machine.py``: the queue, cancels, recalls, shutdown, holding until resume,
+acks, the ledger's slots, holding back, 'started', heartbeats, progress), with modelled bodies
+that return, cooperate, ignore their signal, crash, or leave processes behind; workers that
+hang (no thread runs: no heartbeat, nothing read,
 as under a C extension that holds the GIL), and sometimes send garbage; a reaper whose
 reports come in their own order, and whose trees may outlive a worker's pid; the reaper's own
-death; and virtual time. After every step the contract's invariants are checked (``check``).
+death; and virtual time. After every step the contract's invariants are checked (``check``),
+and each worker's machine checks its own (``WorkerMachine.check``), with two promises of the
+worker's the supervisor's post-mortem relies on: it takes up a call only once every result it
+did not keep in its ledger is in the supervisor's hands, and only once the supervisor said
+``resume`` after a call that left processes behind.
 
 A schedule is a seed plus a list of steps; steps name workers and calls by index modulo what
 exists, so any sub-list of a schedule is a schedule too. Replaying (seed, steps) is exact. A
@@ -26,6 +32,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,24 +43,18 @@ from core_support import FakeProbe
 from toolpool.core import CancelCause, Graces, Outcome
 from toolpool.protocol import (
     PROTOCOL_VERSION,
-    Ack,
     CallMessage,
-    Cancel,
-    CancelAck,
     Heartbeat,
     Hello,
     Pong,
     ProgressMessage,
-    Recall,
     ResultMessage,
     Resume,
-    Shutdown,
-    StartedMessage,
-    Withdrawn,
     decode_from_supervisor,
-    encode,
+    decode_from_worker,
     pack_value,
 )
+from toolpool.protocol._ledger import SLOT_PAYLOAD
 from toolpool.supervisor._results import WorkerState
 from toolpool.supervisor.machine import (
     REAPER_START_ATTEMPTS,
@@ -77,6 +78,15 @@ from toolpool.supervisor.machine import (
     Unkillable,
 )
 from toolpool.supervisor.machine import Started as StartedAction
+from toolpool.worker._machine import (
+    FireCancel,
+    IllegalPhaseMove,
+    KeepResult,
+    MarkInvoked,
+    RunCall,
+    SendFrames,
+    WorkerMachine,
+)
 
 #: Tools of the model: (name, body runs in a thread).
 TOOLS = {
@@ -101,6 +111,7 @@ START_TIMEOUT = 5.0
 UNKILLABLE_AFTER = 3.0
 HEARTBEAT = 0.4
 HUNG_AFTER = HEARTBEAT * 3  # (the core's HUNG_AFTER_BEATS)
+GARBAGE_CALL = 10**9  # the call of a result a garbage step forges
 
 
 class Violation(AssertionError):
@@ -117,7 +128,6 @@ class Body:
     steps: int = 0
     cancelled: bool = False
     invoked: bool = False
-    said_started: bool = False
 
 
 @dataclass
@@ -130,16 +140,15 @@ class FakeWorker:
     lingers: bool = False  # its tree outlives its pid until a 'tree' step
     inbox: collections.deque[Any] = field(default_factory=collections.deque)
     outbox: collections.deque[Any] = field(default_factory=collections.deque)
-    queue: list[CallMessage] = field(default_factory=list)
-    current: Body | None = None
+    # Its decisions: the real worker's machine (its queue, acks, slots, phase...).
+    machine: WorkerMachine = field(
+        default_factory=lambda: WorkerMachine(max_frame=1 << 30, ledger=True, heartbeat=HEARTBEAT)
+    )
+    current: Body | None = None  # the body of the call its machine took up
     taken_mark: int = 0
     invoked_mark: int = 0
-    kept: list[tuple[int, bytes]] = field(default_factory=list)
-    unkept: list[int] = field(default_factory=list)  # results it must see acknowledged
-    results: int = 0
-    acked: int = 0
-    holding: bool = False
-    shutdown: bool = False
+    ledger: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # slot -> (seq, frame)
+    leftovers_of: int | None = None  # the call whose leftovers no 'resume' said were dealt with
     violated: bool = False
     exit_status: int | None = None
     # In uninterruptible sleep: it does nothing, and no signal ends it until it is thawed
@@ -150,7 +159,6 @@ class FakeWorker:
     orphaned: bool = False
     orphan_waits: bool = False  # the shell waits for its frozen tree to end
     hung: bool = False  # no thread of it runs: it reads nothing, does nothing, sends nothing
-    beat_due: float = 0.0
 
 
 class World:
@@ -274,6 +282,8 @@ class World:
                     group = call._group
                     if group is not None and id(group) in self.group_cancelled_at:
                         self.sent_after_group_cancel.append(call.id)
+                if isinstance(msg, Resume):
+                    w.leftovers_of = None  # the supervisor dealt with them (or cannot)
                 if w.alive:
                     w.inbox.append(msg)
         elif isinstance(action, Terminate | Kill):
@@ -409,7 +419,9 @@ class World:
                 elif choice == 1:
                     w.outbox.append(Pong(1))
                 elif choice == 2:
-                    w.outbox.append(ResultMessage(10**9, "ok", None, None, None, True, {}, 0, {}))
+                    w.outbox.append(
+                        ResultMessage(GARBAGE_CALL, "ok", None, None, None, True, {}, 0, {})
+                    )
                 else:  # progress for a call it does not run (settled, perhaps): ignored
                     settled = [c.id for c in self.calls if c._result is not None] or [10**9]
                     w.outbox.append(
@@ -420,8 +432,7 @@ class World:
             # the worker runs. Again: the call returns, the worker goes on.
             w = live[step[1] % len(live)]
             if w.alive:
-                w.hung = not w.hung
-                w.beat_due = self.now
+                w.hung = not w.hung  # (unhung, its heartbeat is overdue: it beats at once)
         elif kind == "reaper_lost":
             if self.reaper_up:
                 self.reaper_up = False
@@ -487,9 +498,8 @@ class World:
         """Time passed: each worker whose threads run sent its heartbeats meanwhile; they
         arrive before the core's timers run (the shell reads sockets as messages come)."""
         for w in list(self.workers.values()):
-            if w.alive and not w.hung and w.wid in self.core.workers and self.now >= w.beat_due:
-                w.beat_due = self.now + HEARTBEAT
-                w.outbox.append(Heartbeat())
+            if w.alive and not w.hung and w.wid in self.core.workers:
+                self.act(w, w.machine.beat(self.now))
                 while w.outbox and w.wid in self.core.workers:
                     self.deliver(w)
 
@@ -536,11 +546,11 @@ class World:
             if w.tree or w.alive:
                 raise Violation(f"the model reported worker {w.wid} gone while alive")
             self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
-            self.probe.kept_of[w.wid] = list(w.kept)
+            self.probe.kept_of[w.wid] = sorted(w.ledger.values())
             core.gone(w.wid, self.now)
         elif kind == "orphan_gone":
             self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
-            self.probe.kept_of[w.wid] = list(w.kept)
+            self.probe.kept_of[w.wid] = sorted(w.ledger.values())
             core.gone(w.wid, self.now, verified=report[2])
         elif kind == "cleaned":
             core.cleaned(w.wid, report[2], self.now)
@@ -552,61 +562,39 @@ class World:
             self.die(w, w.pending_signal)
 
     def work(self, w: FakeWorker) -> None:
-        """w does one thing, as the real worker would: read a message, or move its call on."""
+        """w does one thing, as the real worker would: read a message, or move its call on.
+        What each means, its machine decides; the model runs the body."""
         if not w.alive or w.frozen or w.hung:
             return
+        machine = w.machine
         if w.inbox:
-            msg = w.inbox.popleft()
-            if isinstance(msg, CallMessage):
-                w.acked = max(w.acked, msg.acked)
-                w.queue.append(msg)
-            elif isinstance(msg, Ack):
-                w.acked = max(w.acked, msg.results)
-            elif isinstance(msg, Cancel):
-                if w.current is not None and w.current.call_id == msg.call_id:
-                    w.current.cancelled = True
-                    w.outbox.append(CancelAck(msg.call_id))
-                else:
-                    self.withdraw(w, msg.call_id)
-            elif isinstance(msg, Recall):
-                self.withdraw(w, msg.call_id)
-            elif isinstance(msg, Resume):
-                w.holding = False
-            elif isinstance(msg, Shutdown):
-                w.shutdown = True
-                while w.queue:
-                    self.withdraw(w, w.queue[0].call_id)
+            self.act(w, machine.receive(w.inbox.popleft()))
             return
         body = w.current
         if body is None:
-            if w.shutdown:
+            if machine.done:
                 self.die(w, 0)
                 return
-            if w.queue and not w.holding and all(seq <= w.acked for seq in w.unkept):
-                msg = w.queue.pop(0)
-                w.current = Body(msg.call_id, msg.tool)
-                w.taken_mark = msg.call_id + 1
-                self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
+            self.act(w, machine.next())
             return
         call = self.calls[body.call_id - 1]
+        tool = body.tool.removeprefix("x_")  # (extra's tools behave as their namesakes)
         if not body.invoked:
             if body.cancelled:
                 self.finish(w, "aborted_before_dispatch", started=False)
                 return
             body.invoked = True
-            w.invoked_mark = body.call_id + 1
-            self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
             self.invoked_by[call.id].append(w.wid)
-            if body.tool.removeprefix("x_") in ("slow", "coop", "stubborn", "async") and (
-                self.rng.random() < 0.7
-            ):
-                body.said_started = True
-                w.outbox.append(StartedMessage(body.call_id))
+            self.act(w, machine.invoked(body.call_id, tool == "async"))
+            if tool in ("slow", "coop", "stubborn") and self.rng.random() < 0.7:
+                # It runs past the quick wait: the control thread says 'started'.
+                self.act(w, machine.body_running(body.call_id))
             return
         body.steps += 1
-        tool = body.tool.removeprefix("x_")  # (extra's tools behave as their namesakes)
-        if body.said_started and self.rng.random() < 0.3:  # (only once said started)
-            w.outbox.append(ProgressMessage(body.call_id, float(body.steps), None, None))
+        if machine.said_started == body.call_id:  # (only once said started)
+            if self.rng.random() < 0.3:
+                machine.report_progress(str(body.call_id), float(body.steps), None, None)
+            self.act(w, machine.send_progress(self.now, body.call_id)[0])
         if tool == "crash":
             self.die(w, 1)
         elif tool == "quick" or (tool == "slow" and body.steps >= 3):
@@ -616,32 +604,59 @@ class World:
         elif tool == "leaves":
             self.finish(w, "ok", started=True, leftovers=1)
 
-    def withdraw(self, w: FakeWorker, call_id: int) -> None:
-        for queued in w.queue:
-            if queued.call_id == call_id:
-                w.queue.remove(queued)
-                w.outbox.append(Withdrawn(call_id))
-                return
+    def act(self, w: FakeWorker, actions: Sequence[Any]) -> None:
+        """Perform what w's machine asked, as the worker's shell (``_server.py``) does."""
+        for action in actions:
+            if isinstance(action, SendFrames):
+                for frame in action.frames:
+                    w.outbox.append(decode_from_worker(frame))
+            elif isinstance(action, MarkInvoked):
+                w.invoked_mark = action.call_id + 1
+                self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
+            elif isinstance(action, KeepResult):
+                w.ledger[action.slot] = (action.seq, action.frame)
+            elif isinstance(action, FireCancel):
+                if w.current is not None and w.current.call_id == action.call_id:
+                    w.current.cancelled = True
+            elif isinstance(action, RunCall):
+                if action.mark:
+                    w.taken_mark = action.msg.call_id + 1
+                    self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
+                self.check_take(w, action.msg)
+                w.current = Body(action.msg.call_id, action.msg.tool)
+
+    def check_take(self, w: FakeWorker, msg: CallMessage) -> None:
+        """The worker's promises the supervisor's post-mortem relies on (``docs/protocol.md``
+        6.3): it takes up a call only once each result it did not keep in its ledger is in
+        the supervisor's hands, and, after a call that left processes behind, only once the
+        supervisor said ``resume``."""
+        for sent in w.outbox:
+            if not isinstance(sent, ResultMessage) or sent.call_id == GARBAGE_CALL:
+                continue  # (a garbage step's forged result is not its machine's)
+            if not sent.extras.get("kept"):
+                raise Violation(
+                    f"worker {w.wid} took up call {msg.call_id} while its result of call "
+                    f"{sent.call_id}, not kept in its ledger, was not in the supervisor's hands"
+                )
+        if w.leftovers_of is not None:
+            raise Violation(
+                f"worker {w.wid} took up call {msg.call_id} before 'resume': call "
+                f"{w.leftovers_of} left processes behind"
+            )
 
     def finish(self, w: FakeWorker, outcome: str, *, started: bool, leftovers: int = 0) -> None:
+        """w's body returned: its machine concludes the call (a fifth of the results too large
+        for a ledger slot: the worker waits for their ack before it takes up another)."""
         body = w.current
         assert body is not None
         w.current = None
-        w.results += 1
-        keep = self.rng.random() < 0.8
-        extras: dict[str, Any] = {"kept": True} if keep else {}
-        error = None if outcome == "ok" else "Error: x"
-        value = pack_value(body.call_id) if outcome == "ok" else None
-        msg = ResultMessage(
-            body.call_id, outcome, value, error, None, started, {}, leftovers, extras
-        )
-        if keep:
-            w.kept.append((w.results, encode(msg)))
-        else:
-            w.unkept.append(w.results)
+        big = "x" * SLOT_PAYLOAD if self.rng.random() < 0.2 else ""
+        error = None if outcome == "ok" else "Error: x" + big
+        value = pack_value(big or body.call_id) if outcome == "ok" else None
+        reply = ResultMessage(body.call_id, outcome, value, error, None, started, {}, leftovers, {})
         if leftovers:
-            w.holding = True
-        w.outbox.append(msg)
+            w.leftovers_of = body.call_id
+        self.act(w, w.machine.conclude(reply))
 
     # ---- invariants
 
@@ -709,6 +724,13 @@ class World:
             core.check()  # the machine's own invariants, at the records' fields
         except AssertionError as exc:
             raise Violation(f"the machine's invariant broke: {exc!r}") from exc
+        for fake in self.workers.values():
+            if not fake.alive:
+                continue
+            try:
+                fake.machine.check()  # each worker's machine's own
+            except AssertionError as exc:
+                raise Violation(f"worker {fake.wid}'s machine's invariant broke: {exc!r}") from exc
         # Two-level liveness: the core says a worker is hung exactly when it has read
         # neither hello nor heartbeat from it for HUNG_AFTER; one that beats never is.
         for wid, core_w in core.workers.items():
@@ -852,7 +874,7 @@ class World:
                 self.flush()
             progressed = False
             for w in list(self.workers.values()):
-                busy = w.outbox or w.inbox or w.current or w.queue or w.shutdown
+                busy = w.outbox or w.inbox or w.current or w.machine.queue or w.machine.shutdown
                 if w.wid in core.workers and w.alive and busy:
                     if w.outbox:
                         self.deliver(w)
@@ -932,7 +954,7 @@ def run(seed: int, steps: list[tuple[Any, ...]]) -> World:
     a record of the machine is asked to move where its transition table forbids)."""
     try:
         return _run(seed, steps)
-    except IllegalMove as exc:
+    except (IllegalMove, IllegalPhaseMove) as exc:
         raise Violation(str(exc)) from exc
 
 

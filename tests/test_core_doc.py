@@ -1,5 +1,5 @@
-"""docs/core.md's table of where things are names the machine's files as they are: none
-that is gone, none missing."""
+"""docs/core.md's table of where things are names the machines' files as they are (the
+supervisor's, the worker's): none that is gone, none missing."""
 
 from __future__ import annotations
 
@@ -43,4 +43,6 @@ def test_the_table_names_every_file_of_the_machine() -> None:
     named = set(_table_files())
     files = {f"supervisor/machine/{p.name}" for p in (SUPERVISOR / "machine").glob("*.py")}
     files.discard("supervisor/machine/__init__.py")
+    files.add("worker/_machine.py")  # the worker's machine, and its shell
+    files.add("worker/_server.py")
     assert files - named == set(), "docs/core.md does not name these"

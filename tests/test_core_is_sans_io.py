@@ -1,6 +1,7 @@
-"""The pool's core does no I/O (docs/core.md): its modules import neither anyio, zmq, a
-socket, a subprocess nor a clock, and call none of os's process functions; worker/ and
-supervisor/ never import each other; protocol/ and core/ are leaves."""
+"""The pool's core does no I/O (docs/core.md): its modules, the supervisor's machine and the
+worker's (``worker/_machine.py``), import neither anyio, zmq, a socket, a subprocess nor a
+clock, and call none of os's process functions; worker/ and supervisor/ never import each
+other; protocol/ and core/ are leaves."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 SRC = Path(__file__).resolve().parent.parent / "src" / "toolpool"
 MACHINE = SRC / "supervisor" / "machine"
 CORE = sorted(p.name for p in MACHINE.glob("*.py"))
+#: Every file of the core, relative to src/toolpool: the supervisor's machine, the worker's.
+CORE_FILES = [f"supervisor/machine/{name}" for name in CORE] + ["worker/_machine.py"]
 FORBIDDEN_MODULES = {"anyio", "zmq", "socket", "subprocess", "select", "selectors", "asyncio"}
 FORBIDDEN_CALLS = {
     ("os", name)
@@ -37,14 +40,22 @@ def test_every_part_of_the_machine_is_checked() -> None:
     ), CORE
 
 
-@pytest.mark.parametrize("module", CORE)
+def test_the_workers_machine_is_checked() -> None:
+    assert (SRC / "worker" / "_machine.py").exists()
+    assert "worker/_machine.py" in CORE_FILES
+
+
+@pytest.mark.parametrize("module", CORE_FILES)
 def test_the_core_does_no_io(module: str) -> None:
-    path = MACHINE / module
+    path = SRC / module
     imports = _imports(path)
     assert not {i.split(".")[0] for i in imports} & FORBIDDEN_MODULES, imports
-    assert "os" not in imports, imports
+    assert not {"os", "threading", "resource", "mmap"} & imports, imports
     assert "time" not in imports, imports
     # ... and none of the shell's modules (which do the I/O).
+    if module.startswith("worker/"):
+        shell = {p.stem for p in (SRC / "worker").glob("*.py")} - {"_machine", "__init__"}
+        assert not {i for i in imports if i.startswith(".") and i[1:] in shell}, imports
     shell = {p.stem for p in (SRC / "supervisor").glob("*.py")} - {"_results", "__init__"}
     assert not {i for i in imports if i.startswith("..") and i[2:] in shell}, imports
     tree = ast.parse(path.read_text())

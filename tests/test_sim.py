@@ -172,3 +172,51 @@ def test_the_four_deliberate_bugs_are_caught_through_the_machines_parts(
     assert seed < 100, f"caught only at seed {seed}"
     with pytest.raises(sim_world.Violation):
         sim_world.run(seed, shrunk)
+
+
+def _ack_not_awaited(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker takes up its next call while a result it could not keep in its ledger is
+    not acknowledged (the hold-back of a result bigger than a slot skipped)."""
+    from toolpool.worker._machine import WorkerMachine
+
+    monkeypatch.setattr(
+        WorkerMachine, "_may_take", lambda self: not self.shutdown and bool(self.queue)
+    )
+
+
+def _resume_not_awaited(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker never holds after a call that left processes behind: it takes up the next
+    call before the supervisor killed them and said 'resume'."""
+    from toolpool.worker._machine import Phase, WorkerMachine
+
+    advance = WorkerMachine.advance
+
+    def broken(self: WorkerMachine, to: Phase) -> None:
+        advance(self, Phase.IDLE if to is Phase.HELD else to)
+
+    monkeypatch.setattr(WorkerMachine, "advance", broken)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("bug", "caught"),
+    [
+        (_ack_not_awaited, "not kept in its ledger"),
+        (_resume_not_awaited, "before 'resume'"),
+    ],
+    ids=["ack not awaited", "resume not awaited"],
+)
+def test_two_deliberate_worker_bugs_are_caught_through_the_workers_machine(
+    monkeypatch: pytest.MonkeyPatch, bug: Callable[[pytest.MonkeyPatch], None], caught: str
+) -> None:
+    """The simulated workers drive the real ``WorkerMachine``: a bug put into it is a bug
+    of every simulated worker, caught within a few dozen schedules, and its shrunk schedule
+    replays the failure."""
+    bug(monkeypatch)
+    summary = sim_world.simulate(0, 300, 300)
+    assert summary.failures, "not caught"
+    seed, error, shrunk = summary.failures[0]
+    assert caught in error, error
+    assert seed < 100, f"caught only at seed {seed}"
+    with pytest.raises(sim_world.Violation):
+        sim_world.run(seed, shrunk)

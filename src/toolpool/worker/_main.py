@@ -256,7 +256,7 @@ def run(args: Options) -> None:
     sock.send(encode(Hello(PROTOCOL_VERSION, os.getpid(), secret, catalog, report)))
 
     server = _Server(sock, registry, args["max_frame"], capture, ledger, members, args["heartbeat"])
-    server.allow_background = args["allow_background"]
+    server.machine.allow_background = args["allow_background"]
     try:
         server.serve()
     finally:

@@ -25,15 +25,17 @@ While more calls wait in its queue and each is quick, the worker holds back up t
 results (kept in the ledger) and sends them together: one wake-up of each side's zmq thread
 for several calls. The worker never kills or abandons anything: a cancel message only cancels
 the call's signal, or withdraws a call that is still queued.
+
+What to do with each message and each call (the queue, withdraw and recall, cancels, shutdown,
+holding until ``resume``, acks and the ledger's slots, holding back, 'started', heartbeats and
+progress) the ``WorkerMachine`` of ``_machine.py`` decides, without I/O: this module is its
+shell, which feeds it events (under ``mu``) and performs its actions.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import dataclasses
-import math
 import os
 import resource
 import select
@@ -41,37 +43,32 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..core import CancelCause, CancelController, cancel_with_runtime_cause
 from ..protocol import (
-    PROGRESS_INTERVAL,
-    Ack,
     CallMessage,
-    Cancel,
-    CancelAck,
-    Heartbeat,
-    Ping,
-    Pong,
-    ProgressMessage,
     ProtocolViolation,
-    Recall,
     ResultMessage,
-    Resume,
-    Shutdown,
-    StartedMessage,
-    Withdrawn,
     decode_from_supervisor,
-    encode,
     pack_value,
     unpack_value,
 )
-from ..protocol._ledger import SLOT_PAYLOAD, SLOTS, write_invoked, write_slot, write_taken
+from ..protocol._ledger import write_invoked, write_slot, write_taken
 from ..sandbox._cgroups import others_listed
 from ..sandbox._linux import child_pids, reap_zombies
 from ._call import DecodedArgs
 from ._helpers import helpers
+from ._machine import (
+    FireCancel,
+    KeepResult,
+    MarkInvoked,
+    RunCall,
+    SendFrames,
+    WorkerAction,
+    WorkerMachine,
+)
 
 if TYPE_CHECKING:
     import mmap
@@ -85,8 +82,6 @@ EXIT_PROTOCOL = 72
 #: A call that has run this long (seconds) is looked after by the control thread: its
 #: 'started' said (a sync body), what was held back sent, messages read while it runs.
 QUICK_BODY_WAIT = 0.0002
-#: At most this many results are held back while the next queued calls run quickly.
-HOLD_BACK = 16
 #: While calls come, the control thread looks this often (seconds) whether one takes time.
 TICK = 0.002
 #: After this long (seconds) without a call, the control thread stops looking.
@@ -96,6 +91,17 @@ IDLE_AFTER = 0.05
 #: but those a fault raises in the thread that faults).
 _FAULTS = {"SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGABRT", "SIGSYS"}
 ASYNC_SIGNALS = {s for s in signal.valid_signals() if getattr(s, "name", "") not in _FAULTS}
+
+#: This process's pid, read once and again in a child a fork makes (``os.register_at_fork``):
+#: a body's fork is noticed without a ``getpid`` per call.
+_pid = [os.getpid()]
+
+
+def _forked() -> None:
+    _pid[0] = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def start_thread_blocking_signals(target: Callable[[], object], name: str) -> threading.Thread:
@@ -135,20 +141,19 @@ class _Server:
         self.max_frame = max_frame
         self.ledger = ledger
         self.members = members
-        self.pid = os.getpid()
-        self.queue: collections.deque[CallMessage] = collections.deque()
+        self.pid = _pid[0]
+        # The decisions: what each message and each call means (``_machine.py``).
+        self.machine = WorkerMachine(
+            max_frame=max_frame, ledger=ledger is not None, heartbeat=heartbeat
+        )
         self.current: tuple[int, CancelController] | None = None
         self.taken_at = 0.0  # when the current call was taken up
         self.started_at = 0.0  # when the current call's body was invoked
-        self.said_started: int | None = None  # the call whose 'started' went out
-        self.hold = False  # the last call left processes behind: wait for 'resume'
-        self.results = 0  # results sent so far
-        self.acked = 0  # how many of them the supervisor said it received
-        self.need_ack = 0  # the last result not kept in the ledger: wait until it is acked
-        self.slots = [0] * SLOTS  # the result number each ledger slot keeps
-        self.pending: list[bytes] = []  # results kept in the ledger, held back (HOLD_BACK)
-        self.allow_background = False  # leftovers are allowed: never hold
-        self.shutdown = False
+        # The end of the last call: its CPU reading (the next call's start, unless children
+        # were reaped between or the worker idled a heartbeat interval), and whether the
+        # worker had a child then.
+        self._usage: tuple[float, float] | None = None
+        self._had_children = True
         self._fire: list[tuple[CancelController, CancelCause]] = []  # cancels, outside `mu`
         # The control thread: what it shares with the main thread is under `mu`.
         self.mu = threading.RLock()
@@ -164,17 +169,10 @@ class _Server:
         self._loop: asyncio.AbstractEventLoop | None = None  # for calls with stages, async
         # Liveness: a heartbeat every `heartbeat` seconds (0: none), sent by whichever thread
         # has the socket: the control thread while a call runs, the main thread otherwise.
-        self.heartbeat = heartbeat
-        self.beat_due = 0.0 if heartbeat > 0 else math.inf  # when the next one is due
         self._again: type[Exception] = zmq.Again
         if heartbeat > 0:
             # The idle main thread's recv returns after a heartbeat interval of silence.
             sock.setsockopt(zmq.RCVTIMEO, max(1, int(heartbeat * 1000)))
-        # Progress: the body's latest report (call id, done, total, message), set on the main
-        # thread without the lock; the control thread sends it (PROGRESS_INTERVAL at most).
-        self.progress: tuple[str, float, float | None, str | None] | None = None
-        self.progress_new = False
-        self.progress_sent_at = -math.inf
 
         registry._sync_caller = self._call_sync  # sync bodies inline, here
         registry._progress_sink = self._report_progress
@@ -190,10 +188,11 @@ class _Server:
                     self._drain()
                     if self._failure is not None:
                         raise self._failure
-                    if self.shutdown and self.current is None:
+                    machine = self.machine
+                    if machine.shutdown and machine.done:  # (one attribute while serving)
                         break
-                    if time.monotonic() >= self.beat_due:  # (also in a stream of quick calls)
-                        self._beat(time.monotonic())
+                    if time.monotonic() >= machine.beat_due:  # (also in quick calls)
+                        self._perform(machine.beat(time.monotonic()))
                     job = self._next()
                 self._fire_cancels()
                 if job is not None:
@@ -205,6 +204,9 @@ class _Server:
                 try:
                     frames = sock.recv_multipart()
                 except self._again:
+                    # A heartbeat interval without a call: the next call's CPU is read
+                    # afresh (what the worker's threads spent idle is not its).
+                    self._usage = None
                     continue
                 with self.mu:
                     self._handle_frames(frames)
@@ -244,17 +246,16 @@ class _Server:
         extras = self._extras(before)
         if self.capture is not None:
             extras["output"], extras["output_dropped"] = self.capture.collect(call_id)
+        reply = self._reply(call_id, result, extras)
         with self.mu:
-            frame, hold_back = self._conclude(call_id, result, extras)
-            if hold_back:
-                # Another call is queued: send this result with the next ones, in one go (one
-                # wake-up of each side's zmq thread for several), unless that call takes time
-                # (the control thread sends them then). It is in the ledger meanwhile.
-                self.pending.append(frame)
-            else:
-                self._send(frame)
+            # Kept in the ledger and sent; or, while another call is queued, held back to go
+            # with the next ones in one go (one wake-up of each side's zmq thread for several),
+            # unless that call takes time (the control thread sends them then).
+            self.current = None
+            self.active_at = time.monotonic()
+            self._perform(self.machine.conclude(reply))
             # The control thread waits on the socket with no timeout once it said 'started'.
-            wake = self.watching and self.said_started == call_id
+            wake = self.watching and self.machine.said_started == call_id
             self.watching = False
         if wake:
             self._wake()
@@ -275,7 +276,7 @@ class _Server:
         try:
             return fn(**kwargs)
         finally:
-            if os.getpid() != self.pid:
+            if _pid[0] != self.pid:
                 # The body forked and the child returned here: a leftover of the call, not
                 # the worker. It must neither keep a result in the ledger nor take up the
                 # calls queued here (they would run twice).
@@ -286,12 +287,8 @@ class _Server:
     def _beat(self, now: float) -> int | None:
         """With the lock, by the thread that has the socket: send a heartbeat if one is due.
         Returns how long (ms) until the next one is (None: no heartbeats)."""
-        if self.heartbeat <= 0:
-            return None
-        if now >= self.beat_due:
-            self._send(encode(Heartbeat()))
-            self.beat_due = now + self.heartbeat
-        return max(1, math.ceil((self.beat_due - now) * 1000))
+        self._perform(self.machine.beat(now))
+        return self.machine.beat_wait(now)
 
     def _report_progress(
         self, call_id: str, done: float, total: float | None, message: str | None
@@ -299,50 +296,38 @@ class _Server:
         """The registry's progress sink (``execution.report_progress``), on the main thread
         (or a thread of the tool's): keep the latest report, and have the control thread
         look, unless a report already waits for it. No lock: one assignment, then a flag."""
-        self.progress = (call_id, done, total, message)
-        if not self.progress_new:
-            self.progress_new = True
-            if self.watching:  # it may wait for a message: wake it
-                self._wake()
+        if self.machine.report_progress(call_id, done, total, message) and self.watching:
+            self._wake()  # it may wait for a message: wake it
 
     def _send_progress(self, now: float, call_id: int) -> int | None:
         """With the lock, on the control thread, once call_id's body is said started: send
         its latest progress report, unless one went out less than PROGRESS_INTERVAL ago.
         Returns how long (ms) until it may (None: nothing waits)."""
-        if not self.progress_new:
-            return None
-        wait = self.progress_sent_at + PROGRESS_INTERVAL - now
-        if wait > 0:
-            return max(1, math.ceil(wait * 1000))
-        self.progress_new = False  # (before reading it: a report from now on sets it again)
-        report = self.progress
-        if report is not None and report[0] == str(call_id):  # (not a stray view's)
-            self._send(encode(ProgressMessage(call_id, *report[1:])))
-            self.progress_sent_at = now
-        return None
+        out, wait = self.machine.send_progress(now, call_id)
+        if out:
+            self._perform(out)
+        return wait
 
     def _next(self) -> tuple[CallMessage, CancelController] | None:
         """With the lock, on the main thread: take up the next queued call, if it may be."""
-        if not self._may_take():
-            # A result sent is in neither the ledger nor the supervisor's hands yet, or
-            # nothing is taken up now: what was held back goes at once.
-            if self.pending:
-                self._flush()
+        out = self.machine.next()
+        if not out:
             return None
-        msg = self.queue.popleft()
+        run = out[-1]
+        if type(run) is not RunCall:  # not taken up: what was held back goes
+            self._perform(out)
+            return None
+        msg = run.msg
+        if run.mark:
+            write_taken(self.ledger, msg.call_id)  # type: ignore[arg-type]
         controller = CancelController()
         self.current = (msg.call_id, controller)
-        if self.ledger is not None:
-            write_taken(self.ledger, msg.call_id)
         self.started_at = 0.0
         self.taken_at = self.active_at = time.monotonic()
         if not self.looking:
             self.looking = True
             self._wake()
         return msg, controller
-
-    def _may_take(self) -> bool:  # (hostile_tools.py patches it)
-        return not (self.hold or self.shutdown or not self.queue or self.acked < self.need_ack)
 
     def _invoked(self, call_id: int, is_async: bool) -> None:
         """The body is about to be invoked: the ledger says so first. ('started' is for the
@@ -351,16 +336,13 @@ class _Server:
         said 'started' at once, as it always was, under the lock (the control thread must not
         see it invoked and say it too)."""
         if not is_async:
-            if self.ledger is not None:
+            if self.ledger is not None:  # (the machine's MarkInvoked, without its lock)
                 write_invoked(self.ledger, call_id)
             self.started_at = time.monotonic()
             return
         with self.mu:
-            if self.ledger is not None:
-                write_invoked(self.ledger, call_id)
+            self._perform(self.machine.invoked(call_id, True))
             self.started_at = time.monotonic()
-            self.said_started = call_id
-            self._send(encode(StartedMessage(call_id)))
             if self.watching:  # the send may have consumed the edge it waits on
                 self._wake()
 
@@ -383,29 +365,9 @@ class _Server:
             self._handle(msg)
 
     def _handle(self, msg: Any) -> None:
-        if isinstance(msg, CallMessage):
-            self.acked = max(self.acked, msg.acked)
-            self.queue.append(msg)  # taken up by the main thread, in order
-        elif isinstance(msg, Ack):
-            self.acked = max(self.acked, msg.results)
-        elif isinstance(msg, Cancel):
-            current = self.current
-            if current is not None and current[0] == msg.call_id:
-                self._send(encode(CancelAck(msg.call_id)))
-                # Fired once the lock is released: its callbacks may wait on the loop.
-                self._fire.append((current[1], CancelCause(msg.cause)))  # type: ignore[arg-type]
-            else:
-                self._withdraw(msg.call_id)  # still queued: it never starts
-        elif isinstance(msg, Recall):
-            self._withdraw(msg.call_id)
-        elif isinstance(msg, Resume):
-            self.hold = False
-        elif isinstance(msg, Ping):
-            self._send(encode(Pong(msg.nonce)))
-        elif isinstance(msg, Shutdown):
-            self.shutdown = True
-            while self.queue:
-                self._withdraw(self.queue[0].call_id)
+        out = self.machine.receive(msg)
+        if out:
+            self._perform(out)
 
     def _fire_cancels(self) -> None:
         """Without the lock: cancel the signals the messages read asked to cancel (their
@@ -417,26 +379,28 @@ class _Server:
         for controller, cause in fire:
             cancel_with_runtime_cause(controller, cause)
 
-    def _withdraw(self, call_id: int) -> None:
-        """Take a queued call out of the queue, never to run here, and say so."""
-        for queued in self.queue:
-            if queued.call_id == call_id:
-                self.queue.remove(queued)
-                self._send(encode(Withdrawn(call_id)))
-                return
-
-    def _send(self, frame: bytes) -> None:
-        if self.pending:
-            self._flush()  # in order: results held back go first
-        self.sock.send(frame, 0, copy=len(frame) < 65536)
-
-    def _flush(self) -> None:
-        """Send the results held back, in order."""
-        pending, self.pending = self.pending, []
-        if len(pending) == 1:
-            self.sock.send(pending[0], 0, copy=len(pending[0]) < 65536)
-        elif pending:  # one message, one frame a result: one wake-up of each side's zmq thread
-            self.sock.send_multipart(pending, 0, copy=True)
+    def _perform(self, actions: Sequence[WorkerAction]) -> None:
+        """With the lock: do what the machine asked, in order."""
+        for action in actions:
+            if isinstance(action, SendFrames):
+                frames = action.frames
+                if len(frames) == 1:
+                    frame = frames[0]
+                    self.sock.send(frame, 0, copy=len(frame) < 65536)
+                else:  # one message, one frame a result: one wake-up of each side's zmq thread
+                    self.sock.send_multipart(frames, 0, copy=True)
+            elif isinstance(action, KeepResult):
+                assert self.ledger is not None
+                write_slot(self.ledger, action.slot, action.seq, action.frame)
+            elif isinstance(action, MarkInvoked):
+                assert self.ledger is not None
+                write_invoked(self.ledger, action.call_id)
+            elif isinstance(action, FireCancel):
+                current = self.current
+                if current is not None and current[0] == action.call_id:
+                    # Fired once the lock is released: its callbacks may wait on the loop.
+                    cause = CancelCause(action.cause)  # type: ignore[arg-type]
+                    self._fire.append((current[1], cause))
 
     # The control thread.
 
@@ -487,16 +451,15 @@ class _Server:
                 return int(TICK * 1000), False
             self.watching = True  # the socket is this thread's until the call ends
         started_at = self.started_at
-        if self.said_started != call_id and started_at and now - started_at >= QUICK_BODY_WAIT:
-            self.said_started = call_id
-            self._send(encode(StartedMessage(call_id)))  # after what was held back
-        elif self.pending:
-            self._flush()
+        if started_at and now - started_at >= QUICK_BODY_WAIT:
+            self._perform(self.machine.body_running(call_id))  # after what was held back
+        elif self.machine.pending:
+            self._perform(self.machine.flush())
         self._drain()
         beat = self._beat(now)
         # Until its body is said started, look again soon; then on a message, a progress
         # report, or the next heartbeat.
-        if self.said_started != call_id:
+        if self.machine.said_started != call_id:
             return int(TICK * 1000), False
         report = self._send_progress(now, call_id)
         if report is None or beat is None:
@@ -506,10 +469,16 @@ class _Server:
     # What every call does.
 
     def _begin(self) -> tuple[float, float]:
-        reap_zombies()  # leftovers the supervisor killed between calls
+        """The call's start: its CPU reading is the last call's end (one reading a call), if
+        this call came within a heartbeat interval of it, and the worker had no child then
+        (else those the supervisor killed since are reaped, and the reading is afresh)."""
+        usage = self._usage
+        if self._had_children or usage is None:
+            reap_zombies()  # leftovers the supervisor killed between calls
+            usage = _usage()
         if self.capture is not None:
             self.capture.begin()
-        return _usage()
+        return usage
 
     def _args(self, msg: CallMessage) -> Any:
         try:
@@ -520,16 +489,17 @@ class _Server:
         return DecodedArgs(args) if type(args) is dict else args
 
     def _extras(self, before: tuple[float, float]) -> dict[str, Any]:
-        extras = _usage_since(before)
+        extras, self._usage = _usage_since(before)
         if self.started_at:
             extras["started_at"] = self.started_at
         return extras
 
-    def _conclude(self, call_id: int, result: Any, extras: dict[str, Any]) -> tuple[bytes, bool]:
-        """With the lock: the call is over. Count its leftovers, keep its result in the
-        ledger; its frame, and whether it may be held back (another call is queued)."""
+    def _reply(self, call_id: int, result: Any, extras: dict[str, Any]) -> ResultMessage:
+        """The call is over: count its leftovers (one wait call, if it has no child); its
+        result message (the machine keeps it in the ledger, and sends it or holds it back)."""
         kept = helpers()
-        leftovers = len(set(_children()) - kept) if _has_children() else 0
+        self._had_children = _has_children()
+        leftovers = len(set(_children()) - kept) if self._had_children else 0
         if not leftovers and self.members is not None:
             try:
                 listed = os.pread(self.members, 1 << 16, 0)
@@ -538,19 +508,10 @@ class _Server:
                     leftovers = len({int(p) for p in listed.split()} - kept - {self.pid})
             except OSError:
                 leftovers = 0
-        # Left processes behind: take up nothing more until the supervisor killed them.
-        self.hold = leftovers > 0 and not self.allow_background
-        self.current = None
-        self.progress = None  # the result says the rest: a report not sent yet is dropped
-        self.progress_new = False
-        self.active_at = time.monotonic()
         packed = result._packed_value
         if packed is None and result.value is not None:
             packed = pack_value(result.value)
-        # A value too large for a ledger slot however it is framed is not kept (nor framed
-        # twice to find out).
-        slot = None if len(packed or b"") > SLOT_PAYLOAD else self._free_slot()
-        reply = ResultMessage(
+        return ResultMessage(
             call_id,
             result.outcome.value,
             packed,
@@ -561,40 +522,6 @@ class _Server:
             leftovers,
             extras,
         )
-        self.results += 1
-        extras["kept"] = slot is not None
-        frame = encode(reply)
-        if len(frame) > self.max_frame:
-            # The supervisor would drop the connection over it, and the worker with it: what
-            # does not fit is left out, and said (the worker goes on serving).
-            reply = _within(reply, len(frame), self.max_frame)
-            frame = encode(reply)
-        if slot is not None and len(frame) <= SLOT_PAYLOAD:
-            assert self.ledger is not None
-            write_slot(self.ledger, slot, self.results, frame)
-            self.slots[slot] = self.results
-        else:
-            if slot is not None:  # too large to keep after all: say so
-                extras["kept"] = False
-                frame = encode(reply)
-            self.need_ack = self.results
-        hold_back = (
-            extras["kept"]
-            and bool(self.queue)
-            and not self.hold
-            and not self.shutdown
-            and len(self.pending) < HOLD_BACK
-        )
-        return frame, hold_back
-
-    def _free_slot(self) -> int | None:
-        """A ledger slot whose result the supervisor has received, if any."""
-        if self.ledger is None:
-            return None
-        for slot, seq in enumerate(self.slots):
-            if seq <= self.acked:
-                return slot
-        return None
 
 
 def _children() -> list[int]:
@@ -609,13 +536,17 @@ def _usage() -> tuple[float, float]:
     return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
 
 
-def _usage_since(before: tuple[float, float]) -> dict[str, Any]:
+def _usage_since(
+    before: tuple[float, float],
+) -> tuple[dict[str, Any], tuple[float, float]]:
     """The call's CPU time (the worker's threads and children reaped meanwhile) and the
-    high-water mark of resident memory (the worker's, or its largest reaped child's)."""
+    high-water mark of resident memory (the worker's, or its largest reaped child's); and the
+    reading now (:func:`_usage`'s), the next call's start."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (own.ru_utime + own.ru_stime - before[0]) + (kids.ru_utime + kids.ru_stime - before[1])
-    return {"cpu_time": cpu, "max_rss": max(own.ru_maxrss, kids.ru_maxrss) * 1024}
+    now = (own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime)
+    cpu = (now[0] - before[0]) + (now[1] - before[1])
+    return {"cpu_time": cpu, "max_rss": max(own.ru_maxrss, kids.ru_maxrss) * 1024}, now
 
 
 def _has_children() -> bool:
@@ -625,34 +556,3 @@ def _has_children() -> bool:
     except ChildProcessError:
         return False
     return True
-
-
-def _within(reply: ResultMessage, size: int, max_frame: int) -> ResultMessage:
-    """``reply``, whose frame of ``size`` bytes exceeds ``max_frame``, cut down until it
-    fits: first the captured output goes (counted in ``output_dropped``); then the value (an
-    ``ok`` becomes an ``error``, ``ResultTooLarge``, that says why); then the context. The
-    outcome of a call that did not return a value is kept. (``reply.extras`` is changed in
-    place: the caller goes on using it.)"""
-    extras = reply.extras
-    output = extras.pop("output", None)
-    if output:
-        extras["output_dropped"] = int(extras.get("output_dropped", 0)) + len(output)
-    cut = dataclasses.replace(reply)
-    if len(encode(cut)) <= max_frame:
-        return cut
-    if reply.outcome == "ok":
-        parts = [f"the value packs to {len(reply.value or b''):,} bytes"]
-        if output:
-            parts.append(f"the captured output, {len(output):,} bytes, was dropped")
-        cut = dataclasses.replace(
-            cut,
-            outcome="error",
-            value=None,
-            error=f"Error: the tool's result is too large to send: its message would be "
-            f"{size:,} bytes ({'; '.join(parts)}), and the pool's max_frame allows "
-            f"{max_frame:,}",
-            error_name="ResultTooLarge",
-        )
-        if len(encode(cut)) <= max_frame:
-            return cut
-    return dataclasses.replace(cut, context={})

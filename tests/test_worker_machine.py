@@ -1,0 +1,311 @@
+"""The worker's decisions, sans I/O (``worker/_machine.py``): its transition table, and what
+it does with each message and each call, events in and actions out, no socket, no clock."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from toolpool.protocol import (
+    PROGRESS_INTERVAL,
+    Ack,
+    CallMessage,
+    Cancel,
+    CancelAck,
+    Heartbeat,
+    Ping,
+    Pong,
+    ProgressMessage,
+    Recall,
+    ResultMessage,
+    Resume,
+    Shutdown,
+    StartedMessage,
+    Withdrawn,
+    decode_from_worker,
+    encode,
+    pack_value,
+)
+from toolpool.protocol._ledger import SLOT_PAYLOAD, SLOTS
+from toolpool.worker._machine import (
+    HOLD_BACK,
+    PHASE_MOVES,
+    FireCancel,
+    IllegalPhaseMove,
+    KeepResult,
+    MarkInvoked,
+    Phase,
+    RunCall,
+    SendFrames,
+    WorkerMachine,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def _call(call_id: int, acked: int = 0) -> CallMessage:
+    return CallMessage(call_id, "t", b"\x80", acked)
+
+
+def _reply(call_id: int, *, value: Any = 1, leftovers: int = 0) -> ResultMessage:
+    return ResultMessage(call_id, "ok", pack_value(value), None, None, True, {}, leftovers, {})
+
+
+def _sent(actions: Sequence[Any]) -> list[Any]:
+    """The messages the actions send, decoded, in order."""
+    return [decode_from_worker(f) for a in actions if isinstance(a, SendFrames) for f in a.frames]
+
+
+def _phase(m: WorkerMachine) -> Phase:
+    return m.phase  # (read afresh: an event moves it)
+
+
+def _take(m: WorkerMachine, call_id: int) -> None:
+    (run,) = m.next()
+    assert isinstance(run, RunCall), run
+    assert run.msg.call_id == call_id, run
+    m.check()
+
+
+def test_the_table_says_every_move_and_advance_refuses_the_others() -> None:
+    assert set(PHASE_MOVES) == set(Phase)
+    assert PHASE_MOVES[Phase.IDLE] == {Phase.RUNNING}
+    assert PHASE_MOVES[Phase.RUNNING] == {Phase.IDLE, Phase.HELD}
+    assert PHASE_MOVES[Phase.HELD] == {Phase.IDLE}
+    for old in Phase:
+        for new in Phase:
+            m = WorkerMachine(max_frame=1 << 20, ledger=True)
+            m.phase = old
+            if new is old or new in PHASE_MOVES[old]:
+                m.advance(new)
+                assert _phase(m) is new
+            else:
+                with pytest.raises(IllegalPhaseMove, match="not a legal move"):
+                    m.advance(new)
+                assert _phase(m) is old
+
+
+def test_calls_are_taken_up_in_order_one_at_a_time_ledger_marked_first() -> None:
+    m = WorkerMachine(max_frame=1 << 20, ledger=True)
+    assert not m.next()  # nothing queued
+    for i in (1, 2):
+        assert not m.receive(_call(i))
+    assert m.next() == (RunCall(_call(1), True),)  # marked taken up in the ledger, then run
+    assert _phase(m) is Phase.RUNNING
+    assert m.current == 1
+    m.check()
+    assert not m.next()  # one at a time
+    assert m.invoked(1, False) == [MarkInvoked(1)]
+    out = m.conclude(_reply(1))
+    # Kept in a slot, and held back: call 2 waits behind it and may be quick.
+    assert [type(a) for a in out] == [KeepResult]
+    assert m.pending
+    assert _phase(m) is Phase.IDLE
+    m.check()
+    assert m.next() == (RunCall(_call(2), True),)
+    out = m.conclude(_reply(2))
+    # Nothing queued behind: what was held back goes first, then this one.
+    results = [msg.call_id for msg in _sent(out)]
+    assert results == [1, 2]
+    assert [len(a.frames) for a in out if isinstance(a, SendFrames)] == [1, 1]
+    m.check()
+
+
+def test_no_ledger_no_marks_and_every_result_waits_for_its_ack() -> None:
+    m = WorkerMachine(max_frame=1 << 20, ledger=False)
+    m.receive(_call(1))
+    m.receive(_call(2))
+    assert m.next() == (RunCall(_call(1), False),)  # no mark
+    assert not m.invoked(1, False)
+    out = m.conclude(_reply(1))
+    (result,) = _sent(out)
+    assert result.extras["kept"] is False
+    assert m.need_ack == 1
+    assert m.next() == ()  # not until the supervisor said it has result 1
+    m.receive(Ack(1))
+    _take(m, 2)
+
+
+def test_a_result_too_large_for_a_slot_is_sent_at_once_and_waits_for_its_ack() -> None:
+    m = WorkerMachine(max_frame=1 << 20, ledger=True)
+    for i in (1, 2):
+        m.receive(_call(i))
+    _take(m, 1)
+    out = m.conclude(_reply(1, value="x" * SLOT_PAYLOAD))
+    assert not any(isinstance(a, KeepResult) for a in out)
+    (result,) = _sent(out)
+    assert result.extras["kept"] is False
+    assert m.next() == ()
+    m.receive(_call(3, acked=1))  # an ack may come with a call
+    _take(m, 2)
+
+
+def test_a_slot_is_reused_only_once_its_result_was_acked() -> None:
+    m = WorkerMachine(max_frame=1 << 20, ledger=True)
+    slots: list[int] = []
+    for i in range(1, SLOTS + 2):
+        m.receive(_call(i, acked=0))
+        _take(m, i)
+        out = m.conclude(_reply(i))
+        slots.extend(a.slot for a in out if isinstance(a, KeepResult))
+    # SLOTS results kept, one in each slot; the next one found none free: not kept.
+    assert sorted(slots) == list(range(SLOTS))
+    assert m.need_ack == SLOTS + 1
+    m.receive(Ack(SLOTS + 1))
+    m.receive(_call(SLOTS + 2))
+    _take(m, SLOTS + 2)
+    out = m.conclude(_reply(SLOTS + 2))
+    assert [a.slot for a in out if isinstance(a, KeepResult)] == [0]
+    m.check()
+
+
+def test_at_most_hold_back_results_are_held_back() -> None:
+    m = WorkerMachine(max_frame=1 << 20, ledger=True)
+    for i in range(1, HOLD_BACK + 3):
+        m.receive(_call(i))
+    sent: list[Any] = []
+    for i in range(1, HOLD_BACK + 2):
+        _take(m, i)
+        sent += _sent(m.conclude(_reply(i)))
+    # HOLD_BACK held back; the next one sends them, then itself.
+    assert [r.call_id for r in sent] == list(range(1, HOLD_BACK + 2))
+
+
+def test_leftovers_hold_the_worker_until_resume() -> None:
+    m = WorkerMachine(max_frame=1 << 20, ledger=True)
+    m.receive(_call(1))
+    m.receive(_call(2))
+    _take(m, 1)
+    out = m.conclude(_reply(1, leftovers=2))
+    assert _phase(m) is Phase.HELD
+    assert [r.call_id for r in _sent(out)] == [1]  # never held back while held
+    assert m.next() == ()
+    m.receive(Resume())
+    assert _phase(m) is Phase.IDLE
+    _take(m, 2)
+    m.receive(Resume())  # a stray one: no move
+    assert _phase(m) is Phase.RUNNING
+
+
+def test_background_allowed_never_holds() -> None:
+    m = WorkerMachine(max_frame=1 << 20, ledger=True, allow_background=True)
+    m.receive(_call(1))
+    _take(m, 1)
+    m.conclude(_reply(1, leftovers=1))
+    assert _phase(m) is Phase.IDLE
+
+
+def test_cancel_fires_the_running_call_or_withdraws_a_queued_one() -> None:
+    m = WorkerMachine(max_frame=1 << 20, ledger=True)
+    for i in (1, 2, 3):
+        m.receive(_call(i))
+    _take(m, 1)
+    out = m.receive(Cancel(1, "user"))
+    assert _sent(out) == [CancelAck(1)]
+    assert out[-1] == FireCancel(1, "user")
+    assert _sent(m.receive(Cancel(2, "user"))) == [Withdrawn(2)]
+    assert _sent(m.receive(Recall(3))) == [Withdrawn(3)]
+    assert not m.receive(Recall(3))  # not queued (any more): nothing to say
+    assert not m.queue
+    m.check()
+
+
+def test_shutdown_withdraws_every_queued_call_and_is_done_once_none_runs() -> None:
+    m = WorkerMachine(max_frame=1 << 20, ledger=True)
+    for i in (1, 2, 3):
+        m.receive(_call(i))
+    _take(m, 1)
+    out = m.receive(Shutdown())
+    assert _sent(out) == [Withdrawn(2), Withdrawn(3)]
+    assert not m.done  # call 1 still runs
+    assert m.next() == ()
+    m.conclude(_reply(1))
+    assert m.done
+
+
+def test_a_message_sent_goes_after_the_results_held_back() -> None:
+    m = WorkerMachine(max_frame=1 << 20, ledger=True)
+    m.receive(_call(1))
+    m.receive(_call(2))
+    _take(m, 1)
+    m.conclude(_reply(1))
+    assert m.pending
+    out = m.receive(Ping(7))
+    assert [type(x) for x in _sent(out)] == [ResultMessage, Pong]
+    assert not m.pending
+
+
+def test_started_async_at_once_sync_once_it_runs_and_said_once() -> None:
+    m = WorkerMachine(max_frame=1 << 20, ledger=True)
+    m.receive(_call(1))
+    m.receive(_call(2))
+    _take(m, 1)
+    out = m.invoked(1, True)
+    assert out[0] == MarkInvoked(1)
+    assert _sent(out) == [StartedMessage(1)]
+    assert m.body_running(1) == ()  # said already
+    m.conclude(_reply(1))
+    _take(m, 2)
+    m.invoked(2, False)
+    # What was held back goes before 'started'.
+    assert [type(x) for x in _sent(m.body_running(2))] == [ResultMessage, StartedMessage]
+    assert m.body_running(2) == ()
+
+
+def test_heartbeats_every_interval() -> None:
+    m = WorkerMachine(max_frame=1 << 20, ledger=True, heartbeat=1.0)
+    assert _sent(m.beat(10.0)) == [Heartbeat()]
+    assert m.beat(10.5) == ()
+    assert m.beat_wait(10.5) == 500
+    assert _sent(m.beat(11.0)) == [Heartbeat()]
+    silent = WorkerMachine(max_frame=1 << 20, ledger=True)
+    assert silent.beat(1e9) == ()
+    assert silent.beat_wait(0.0) is None
+
+
+def test_progress_latest_only_at_most_every_interval_and_dropped_with_the_result() -> None:
+    m = WorkerMachine(max_frame=1 << 20, ledger=True)
+    m.receive(_call(1))
+    _take(m, 1)
+    assert m.report_progress("1", 1.0, None, None) is True
+    assert m.report_progress("1", 2.0, 4.0, "half") is False  # one already waits
+    out, wait = m.send_progress(5.0, 1)
+    assert _sent(out) == [ProgressMessage(1, 2.0, 4.0, "half")]
+    assert wait is None
+    m.report_progress("1", 3.0, 4.0, None)
+    out, wait = m.send_progress(5.0 + PROGRESS_INTERVAL / 2, 1)
+    assert not out
+    assert wait is not None
+    assert wait > 0
+    m.conclude(_reply(1))
+    assert m.send_progress(100.0, 1) == ((), None)  # the result says the rest
+
+
+def test_a_result_too_large_for_max_frame_is_cut_down_and_said() -> None:
+    m = WorkerMachine(max_frame=4096, ledger=True)
+    m.receive(_call(1))
+    _take(m, 1)
+    (result,) = _sent(m.conclude(_reply(1, value="x" * 10_000)))
+    assert result.outcome == "error"
+    assert result.error_name == "ResultTooLarge"
+    assert len(encode(result)) <= 4096
+
+
+def test_concluding_a_call_not_taken_up_is_refused() -> None:
+    m = WorkerMachine(max_frame=1 << 20, ledger=True)
+    with pytest.raises(IllegalPhaseMove):
+        m.conclude(_reply(1))
+
+
+def test_check_catches_a_broken_invariant() -> None:
+    m = WorkerMachine(max_frame=1 << 20, ledger=True)
+    m.check()
+    m.phase = Phase.RUNNING  # running, with no call taken up
+    with pytest.raises(AssertionError):
+        m.check()
+    m = WorkerMachine(max_frame=1 << 20, ledger=False)
+    m.pending.append(b"x")  # held back with no ledger to keep it in
+    with pytest.raises(AssertionError):
+        m.check()
