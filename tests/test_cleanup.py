@@ -34,7 +34,7 @@ from toolpool.protocol import pack_value
 from toolpool.reaper import _client
 from toolpool.sandbox import Profile, _remove
 from toolpool.sandbox._remove import Removal, remove_tree
-from toolpool.testing.hostile import _nest, _wait_pid_exit
+from toolpool.testing.hostile import _nest, _wait_pid_exit, shared_tmp
 
 HOSTILE = "toolpool.testing.hostile:registry"
 IS_ROOT = os.geteuid() == 0
@@ -50,8 +50,9 @@ def anyio_backend() -> str:
 
 @pytest.fixture
 def base() -> Iterator[Path]:
-    """A directory on the machine's ordinary filesystem (pytest's tmp_path is 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="toolpool-test-rm-"))
+    """A directory on the machine's ordinary filesystem that any uid can reach (pytest's
+    tmp_path is 0700, and so is /tmp on some machines)."""
+    path = Path(tempfile.mkdtemp(prefix="toolpool-test-rm-", dir=shared_tmp()))
     try:
         yield path
     finally:
