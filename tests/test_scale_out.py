@@ -34,8 +34,11 @@ pytestmark = [
 ]
 
 CALLS = 2000
-SECONDS = 0.05  # each call's work; every tenth call's is LONG
-LONG = 1.0
+# Each call's work; every tenth call's is LONG, so that calls are running on the nodes when
+# one is killed and one drained. The sleeps bound the test's length (the last thousand calls
+# run on one node's four workers): 0.05 and 1.0 s made each variant take about a minute.
+SECONDS = 0.02
+LONG = 0.5
 KILL_AT = 500  # calls started when node 1 is SIGKILLed
 TERM_AT = 1000  # ... and node 2 SIGTERMed
 
