@@ -221,7 +221,7 @@ class Dispatch:
         cancel withdraws it), or it is no longer w's. True if asked now."""
         if call._recalling or call._cause is not None:
             return False
-        if call._worker is not w or call._result is not None:
+        if call._worker is not w or call._facts is not None:
             return False
         call._recalling = True
         self.send(w, encode(Recall(call.id)))

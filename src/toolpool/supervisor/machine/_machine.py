@@ -289,7 +289,7 @@ class Machine:
             _, _, kind, key = heapq.heappop(timers)
             if kind == "deadline":
                 call = self.s.calls.get(key)  # settled calls are no longer there
-                if call is not None and call._result is None:
+                if call is not None and call._facts is None:
                     self.ladder.cancel(call, _TIMEOUT, force=False)
             elif kind == "hello":
                 self.lifecycle.hello_overdue(key)

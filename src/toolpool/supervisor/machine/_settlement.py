@@ -8,7 +8,6 @@ import logging
 import signal
 from bisect import bisect_left
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any, Final
 
 from ...core import (
@@ -19,7 +18,7 @@ from ...core import (
 )
 from ...protocol import ProtocolViolation, ResultMessage, decode_from_worker, unpack_value
 from ...sandbox._profile import _human as _human_size
-from .._results import Result, Rung, Timeline
+from .._results import Rung
 from ._actions import Settled
 from ._records import (
     KILLED_TEXT,
@@ -37,7 +36,6 @@ __all__ = ("Settlement", "describe_exit")
 _log = logging.getLogger("toolpool.supervisor")
 
 _new_settled = tuple.__new__
-_NO_CONTEXT: Final[Mapping[str, Any]] = MappingProxyType({})  # read-only: one serves all
 _DISPOSED: Final = CancelCause("disposed")
 _SETTLED, _NO_RUNG = CallState.SETTLED, Rung.NONE  # (bound once: see _dispatch.py)
 RUNG_ORDER: Final = {Rung.NONE: 0, Rung.CANCEL: 1, Rung.SIGTERM: 2, Rung.SIGKILL: 3}
@@ -68,52 +66,71 @@ class Settlement:
         tree_max_memory: int | None = None,
         tree_verified: bool | None = None,
     ) -> None:
-        """Settle ``call`` with this result, once (later attempts change nothing)."""
-        if call._result is not None:
+        """Settle ``call`` with this result, once (later attempts change nothing). Its
+        :class:`Result` is built when someone first reads it (``CallRecord._result``)."""
+        if call._facts is not None:
             return
+        w = call._worker
+        call._facts = (
+            outcome,
+            value,
+            error,
+            error_name,
+            body_started,
+            context,
+            exit_status,
+            leftovers_killed,
+            cpu_time,
+            max_rss,
+            output,
+            output_dropped,
+            tree_max_memory,
+            tree_verified,
+            call._cause,
+            call._rung,
+            w.pid if w is not None else None,
+        )
+        self._settled(call, outcome._value_, body_started)
+
+    def settle_received(
+        self,
+        call: CallRecord,
+        fields: tuple[Any, ...],
+        value: Any,
+        tree_max_memory: int | None,
+        leftovers_killed: int = 0,
+    ) -> None:
+        """Settle ``call`` with its worker's result (``received``): ``fields`` are the
+        message's (outcome, error, error_name, body_started, context, extras)."""
+        if call._facts is not None:
+            return
+        w = call._worker
+        call._facts = (
+            fields,
+            value,
+            leftovers_killed,
+            tree_max_memory,
+            call._cause,
+            call._rung,
+            w.pid if w is not None else None,
+        )
+        self._settled(call, fields[0], fields[3])
+
+    def _settled(self, call: CallRecord, kind: str, body_started: bool | None) -> None:
+        """call just got its facts: the bookkeeping of its settlement."""
         s = self.s
         now = s.now
-        call._times["settled"] = now
+        times = call._times
+        times["settled"] = now
         w = call._worker
-        exit_code = exit_signal = None
-        if exit_status is not None:
-            if exit_status < 0:
-                exit_signal = -exit_status
-            else:
-                exit_code = exit_status
-        call._result = Result(
-            call_id=call.id,
-            tool=call.tool,
-            outcome=outcome,
-            value=value,
-            error=error,
-            error_name=error_name,
-            body_started=body_started,
-            cause=call._cause,
-            rung=call._rung,
-            worker_pid=w.pid if w is not None else None,
-            exit_code=exit_code,
-            exit_signal=exit_signal,
-            context=MappingProxyType(dict(context)) if context else _NO_CONTEXT,
-            leftovers_killed=leftovers_killed,
-            cpu_time=cpu_time,
-            max_rss=max_rss,
-            output=output,
-            output_dropped=output_dropped,
-            tree_max_memory=tree_max_memory,
-            tree_verified=tree_verified,
-            timeline=Timeline(**call._times),
-            index=call._index,
-        )
         if call._queued:
             self._forget_queued(call)
         call._advance(_SETTLED)
-        kind = outcome._value_  # (not .value: a property, on the hot path)
         owner = call._owner
         tally = owner.tally if owner is not None else s.tallies[""]
         tally.settled[kind] += 1
         tally.by_tool[call.tool, kind] += 1
-        latency = now - call._times["submitted"]  # (Buckets.observe, inline: the hot path)
+        latency = now - times["submitted"]  # (Buckets.observe, inline: the hot path)
         buckets = tally.settle_latency
         buckets.counts[bisect_left(buckets.bounds, latency)] += 1
         buckets.sum += latency
@@ -197,7 +214,7 @@ class Settlement:
         queue = p.queue
         while queue:
             call = queue[0]
-            if call._result is not None:
+            if call._facts is not None:
                 queue.popleft()
                 continue
             self.settle(  # (drops it from the queue)
@@ -225,31 +242,22 @@ class Settlement:
         if call is None or call.id != msg.call_id:
             raise ProtocolViolation(f"result for call {msg.call_id}, which it does not own")
         w.results += 1
-        max_frame = self.s.config.max_frame
-        value = unpack_value(msg.value, max_frame) if msg.value is not None else None
-        now = call._times["returned"] = self.s.now
+        value = msg.value
+        if value is not None:
+            value = unpack_value(value, self.s.config.max_frame)
+        times = call._times
+        now = times["returned"] = self.s.now
+        extras = msg.extras
         if msg.body_started:
             call._started = True
-            started_at = msg.extras.get("started_at")
-            if "started" not in call._times and started_at is not None:
+            started_at = extras.get("started_at")
+            if started_at is not None and "started" not in times:
                 # The worker's monotonic clock is this one (same host); trust it only within
                 # what this side saw.
-                call._times["started"] = min(max(started_at, call._times["dispatched"]), now)
-        output = msg.extras.get("output")
+                times["started"] = min(max(started_at, times["dispatched"]), now)
+        fields = (msg.outcome, msg.error, msg.error_name, msg.body_started, msg.context, extras)
         return functools.partial(
-            self.settle,
-            call,
-            Outcome(msg.outcome),
-            value=value,
-            error=msg.error,
-            error_name=msg.error_name,
-            body_started=msg.body_started,
-            context=msg.context,
-            cpu_time=msg.extras.get("cpu_time"),
-            max_rss=msg.extras.get("max_rss"),
-            output=None if output is None else output.decode("utf-8", "replace"),
-            output_dropped=msg.extras.get("output_dropped", 0),
-            tree_max_memory=self.s.probe.peak(w.wid),
+            self.settle_received, call, fields, value, self.s.probe.peak(w.wid)
         )
 
     # ------------------------------------------------------------------ post-mortem
