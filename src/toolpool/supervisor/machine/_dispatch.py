@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Final
 
 from ...core import CancelCause
-from ...protocol import CallMessage, Recall, Resume, Shutdown, encode
+from ...protocol import Recall, Resume, Shutdown, encode, encode_call
 from .._results import Rung, WorkerState
 from ._actions import Send
 from ._records import CallRecord, CallState, ProviderRecord, ProviderState, WorkerRecord
@@ -97,8 +97,10 @@ class Dispatch:
         for w, calls in batches.items():
             # One multipart message per worker: one wake-up of zmq's I/O thread for all of
             # them (each part is one 'call' frame).
-            frames = [encode(CallMessage(c.id, c.tool, c._args, w.results)) for c in calls]
+            acked = w.results
+            frames = []
             for call in calls:
+                frames.append(encode_call(call.id, call.tool, call._args, acked))
                 call._times["dispatched"] = now
             out.append(_new_send(Send, (w.wid, frames, tuple(calls))))
         if p.spec.prefetch:
