@@ -322,14 +322,14 @@ _pack: Final = msgpack.Packer(use_bin_type=True).pack
 
 def encode(message: WorkerMessage | SupervisorMessage) -> bytes:
     """Encode one message as one frame."""
-    return _pack([message.TYPE, *message.fields()])  # type: ignore[no-any-return]
+    return _pack([message.TYPE, *message.fields()])
 
 
 def encode_call(call_id: int, tool: str, args: bytes, acked: int) -> bytes:
     """The frame of ``CallMessage(call_id, tool, args, acked)``, byte for byte what
     :func:`encode` makes of it, in one pack: no message object, no list of its fields (the
     supervisor's hot path; ``args`` is packed already, and goes in as it is)."""
-    return _pack(["call", call_id, tool, args, acked])  # type: ignore[no-any-return]
+    return _pack(["call", call_id, tool, args, acked])
 
 
 def pack_value(value: Any, name: str = "the value") -> bytes:
