@@ -6,6 +6,7 @@ what the core asks."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -83,6 +84,20 @@ _PROVIDER_ACTIONS: Final = (
     WorkerDown,
     Unkillable,
 )
+
+
+def _loop_soon() -> Callable[[Callable[[], object]], object]:
+    """The running event loop's way to run a callback soon (RuntimeError: no loop runs)."""
+    try:
+        return asyncio.get_running_loop().call_soon
+    except RuntimeError:
+        pass
+    try:
+        import trio  # (anyio's other backend: imported only where it runs)
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    except (ImportError, RuntimeError):
+        raise RuntimeError("no event loop runs") from None
 
 
 class Channels:
@@ -398,6 +413,32 @@ class Channels:
         self._pump()
 
     # ------------------------------------------------------------------ performing actions
+
+    _pump_owed = False  # a pump is scheduled for the submits since (``_owe_pump``)
+    _soon: Callable[[Callable[[], object]], object] | None = None  # the loop's call_soon
+
+    def _owe_pump(self) -> None:
+        """A submit owes a pump: run one soon, in the loop, for every submit until then (the
+        core runs their one dispatch pass before any other event it handles: ``Machine``,
+        "owed"). Outside a loop (never in the pool's own use), pump now."""
+        if self._pump_owed:
+            return
+        soon = self._soon
+        if soon is None:
+            try:
+                soon = self._soon = _loop_soon()
+            except RuntimeError:
+                self._pump()
+                return
+        self._pump_owed = True
+        soon(self._pay_pump)
+
+    def _pay_pump(self) -> None:
+        self._pump_owed = False
+        try:
+            self._pump()
+        except Exception:  # (a callback of the loop's: never let it end the loop)
+            _log.exception("performing what the core asks failed")
 
     def _pump(self) -> None:
         """Perform what the core asks until it asks nothing more. Sending may consume the

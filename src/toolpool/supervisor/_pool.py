@@ -648,7 +648,7 @@ class Pool(Channels, Hosting):
         call = Call(self._port, self._call_ids, tool, packed, group, now)
         call._index = index
         self._core.submit(call, timeout=timeout, now=now)
-        self._pump()
+        self._owe_pump()  # (one pump, soon, for a burst of submits)
         return call
 
     def _cancel(self, call: Call, cause: CancelCause, *, force: bool) -> None:

@@ -207,6 +207,9 @@ class State:
         self.wids = itertools.count(1)
         self.out: list[Action] = []
         self.dispatch_due = False
+        # When the last submit came whose dispatch pass is owed (``Machine._pay_owed``), or
+        # None: nothing owed.
+        self.owed_at: float | None = None
         # (when, seq, kind, key): call deadlines by id, so that a settled call (and its
         # result) is not kept alive until its deadline; hello deadlines; respawns; wakes.
         self.timers: list[tuple[float, int, str, int]] = []
