@@ -8,7 +8,9 @@ See ``docs/protocol.md`` for the specification.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, TypeAlias
 
@@ -387,12 +389,15 @@ def _refused(value: Any, name: str) -> str:
     return "not serializable for the wire"
 
 
-def _unpack(frame: bytes, max_len: int) -> Any:
-    if len(frame) > max_len:
-        raise ProtocolViolation(f"frame of {len(frame)} bytes exceeds the limit of {max_len}")
-    try:
-        return msgpack.unpackb(
-            frame,
+def _unpacker(max_len: int) -> Callable[[bytes], Any]:
+    """msgpack.unpackb with the strict limits for frames of at most ``max_len`` bytes (one
+    per limit, made once: not ten keywords parsed per frame)."""
+    unpack = _UNPACKERS.get(max_len)
+    if unpack is None:
+        if len(_UNPACKERS) > 64:
+            _UNPACKERS.clear()
+        unpack = _UNPACKERS[max_len] = functools.partial(
+            msgpack.unpackb,
             raw=False,
             strict_map_key=True,
             use_list=True,
@@ -403,6 +408,17 @@ def _unpack(frame: bytes, max_len: int) -> Any:
             max_ext_len=0,
             ext_hook=_reject_ext,
         )
+    return unpack
+
+
+_UNPACKERS: dict[int, Callable[[bytes], Any]] = {}
+
+
+def _unpack(frame: bytes, max_len: int) -> Any:
+    if len(frame) > max_len:
+        raise ProtocolViolation(f"frame of {len(frame)} bytes exceeds the limit of {max_len}")
+    try:
+        return _unpacker(max_len)(frame)
     except ProtocolViolation:
         raise
     except Exception as exc:  # msgpack raises many types: ExtraData, StackError, ValueError...
@@ -474,9 +490,55 @@ _EXTRAS: dict[Any, type] = {
 }
 
 
+_set_result_fields: Final = tuple(
+    ResultMessage.__dict__[n].__set__ for n in ResultMessage.__slots__
+)
+_new = object.__new__
+
+
+def _result_message(fields: list[Any]) -> ResultMessage:
+    """A ResultMessage of these 9 checked fields, slot by slot (its frozen __init__ sets each
+    through object.__setattr__: three times the cost, on the hot path)."""
+    msg = _new(ResultMessage)
+    for set_field, value in zip(_set_result_fields, fields, strict=True):
+        set_field(msg, value)
+    return msg
+
+
 def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> WorkerMessage:
     """Decode and validate one frame a worker sent. Raises :class:`ProtocolViolation`."""
-    kind, body = _frame(frame, max_len)
+    data = _unpack(frame, max_len)
+    # A result, the most frequent frame, checked inline: what the general path below checks,
+    # in the same order (anything unusual goes that way, to fail there with its reason).
+    if type(data) is list and len(data) == 10 and data[0] == "result":
+        call_id, outcome, value, error, error_name, started, context, leftovers, extras = data[1:]
+        if (
+            type(extras) is dict
+            and type(outcome) is str
+            and outcome in OUTCOME_NAMES
+            and type(started) is bool
+            and type(context) is dict
+            and type(call_id) is int
+            and 0 <= call_id <= _MAX_ID
+            and (value is None or type(value) is bytes)
+            and (error is None or (type(error) is str and len(error) <= _MAX_TEXT))
+            and (error_name is None or (type(error_name) is str and len(error_name) <= _MAX_NAME))
+            and type(leftovers) is int
+            and 0 <= leftovers <= _MAX_ID
+        ):
+            for k, v in extras.items():
+                t = _EXTRAS.get(k)
+                if t is not None and type(v) is not t:
+                    break
+            else:
+                for k in context:
+                    if type(k) is not str:
+                        break
+                else:
+                    return _result_message(data[1:])
+    if type(data) is not list or not data or type(data[0]) is not str:
+        raise ProtocolViolation("a frame is an array whose first element is the message type")
+    kind, body = data[0], data[1:]
     if kind == "result":
         _arity(body, 9, kind)
         extras = body[8]

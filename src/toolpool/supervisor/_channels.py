@@ -76,6 +76,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger("toolpool.supervisor")
 #: What the listeners hear of (``_hosting.py``). An unkillable worker is out of service: the
 #: pool reaps it in the background (``docs/pool.md``, "Unkillable workers").
+_SPAWNING: Final = WorkerState.SPAWNING  # (bound once: read for every message)
 _PROVIDER_ACTIONS: Final = (
     ProviderUp,
     ProviderDown,
@@ -234,16 +235,19 @@ class Channels:
             self._read(io)
             self._pump()
 
-    def _read(self, io: WorkerIO) -> None:
-        """Hand the core every message readable on the worker's socket (no actions yet)."""
+    def _read(self, io: WorkerIO) -> bool:
+        """Hand the core every message readable on the worker's socket (no actions yet);
+        True if there was one."""
         sock = io.sock
         core = self._core
         wid = io.wid
         max_frame = self.max_frame
+        got = False
         while not sock.closed and readable(sock):
+            got = True
             w = core.workers.get(wid)
             sender: int | None = None
-            if w is not None and w.state is WorkerState.SPAWNING:
+            if w is not None and w.state is _SPAWNING:
                 # Its hello: note who really sent it.
                 zframe = sock.recv(zmq.NOBLOCK, copy=False)
                 sender = peer_pid(zframe)
@@ -265,6 +269,7 @@ class Channels:
                 except Exception as exc:  # a gap in the core must never take the pool down
                     _log.exception("worker %s: unexpected error handling its message", wid)
                     core.violation(wid, f"protocol violation: {type(exc).__name__}: {exc}", now)
+        return got
 
     async def _watch_disconnect(self, io: WorkerIO) -> None:
         """Notice a dropped connection (an oversized frame makes zmq disconnect the peer).
@@ -455,8 +460,7 @@ class Channels:
                     break
                 more = False
                 for io in self._perform(actions):
-                    if not io.sock.closed and readable(io.sock):
-                        self._read(io)
+                    if self._read(io):  # (it looks whether there is something)
                         more = True
                 if not more and not core.due():
                     break  # (nothing read, nothing new: the next flush would be empty)

@@ -63,8 +63,11 @@ class Dispatch:
 
     def _dispatch_provider(self, p: ProviderRecord) -> None:
         queue = p.queue
+        ready = p.ready
         batches: dict[WorkerRecord, list[CallRecord]] = {}
-        now = self.s.now
+        s = self.s
+        now = s.now
+        spares = p.spec.warm_spares
         while queue:
             call = queue[0]
             if call._state is not _QUEUED:  # settled while queued
@@ -75,25 +78,35 @@ class Dispatch:
             if group is not None and group.cancelled:  # C5.2: never dispatched after its cancel
                 self.settlement.abort_queued(call, group.signal.reason or _PARENT)  # (drops it)
                 continue
-            w = self._pick(p, now)
-            if w is None:
-                break
+            # (_pick's first choice, inline: the last idle worker, where spares are no bar)
+            w = ready[-1] if ready and not spares else None
+            if w is None or w.state is not _READY or w.gone or w.calls:
+                w = self._pick(p, now)
+                if w is None:
+                    break
             queue.popleft()
             call._queued = False
             call._provider = None
-            if not w.calls:
-                if w in p.ready:
-                    p.ready.remove(w)
+            held = w.calls
+            if not held:
+                if ready and ready[-1] is w:
+                    ready.pop()
+                elif w in ready:
+                    ready.remove(w)
                 w.head_since = now
                 w.advance(_BUSY)
-                self.s.probe.reset_peak(w.wid)  # the call's peak starts now
-            w.calls.append(call)
+                s.probe.reset_peak(w.wid)  # the call's peak starts now
+            held.append(call)
             call._worker = w
             call._advance(_SENT)
-            batches.setdefault(w, []).append(call)
+            batch = batches.get(w)
+            if batch is None:
+                batches[w] = [call]
+            else:
+                batch.append(call)
         if p.settled_in_queue:
             self.settlement.compact_queue(p)  # (what went out may leave it mostly settled calls)
-        out = self.s.out
+        out = s.out
         for w, calls in batches.items():
             # One multipart message per worker: one wake-up of zmq's I/O thread for all of
             # them (each part is one 'call' frame).
