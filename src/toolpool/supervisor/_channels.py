@@ -483,7 +483,8 @@ class Channels:
                     call._event.set()
                 if call._started_event is not None:
                     call._started_event.set()
-                call._wake_progress()  # (its progress updates end)
+                if call._progress_event is not None:
+                    call._wake_progress()  # (its progress updates end)
                 if call._on_settled is not None:
                     call._on_settled(call)
             elif kind is Send:

@@ -615,21 +615,25 @@ class Pool(Channels, Hosting):
         group: Group | None,
         index: int | None = None,
     ) -> Call:
-        self._check_open()
+        core = self._core
+        if self._state != "running" or core.s.broken is not None:
+            self._check_open()
         if not isinstance(tool, str):
             raise TypeError(f"a tool name is a str, not {type(tool).__name__}")
-        provider = self._core.owner.get(tool)
+        provider = core.owner.get(tool)
         if provider is None:
             raise UnknownToolError(
-                f"no worker provides a tool named {tool!r}; known: {sorted(self._core.catalog)}"
+                f"no worker provides a tool named {tool!r}; known: {sorted(core.catalog)}"
             )
         if provider.broken is not None:
             raise provider.broken
         if args is None:
             args = {}
-        if not isinstance(args, Mapping):
-            raise TypeError(f"args must be a mapping, not {type(args).__name__}")
-        packed = pack_value(dict(args), "args")
+        elif type(args) is not dict:  # (a plain dict packs as it is: no copy, no ABC check)
+            if not isinstance(args, Mapping):
+                raise TypeError(f"args must be a mapping, not {type(args).__name__}")
+            args = dict(args)
+        packed = pack_value(args, "args")
         if len(packed) > self.max_frame - 1024:
             raise ValueError(
                 f"args of {len(packed)} bytes exceed the {self.max_frame - 1024} bytes a call "
@@ -647,7 +651,7 @@ class Pool(Channels, Hosting):
         self._call_ids += 1
         call = Call(self._port, self._call_ids, tool, packed, group, now)
         call._index = index
-        self._core.submit(call, timeout=timeout, now=now)
+        core.submit(call, timeout=timeout, now=now)
         self._owe_pump()  # (one pump, soon, for a burst of submits)
         return call
 
