@@ -125,11 +125,12 @@ class Settlement:
         w = call._worker
         if call._queued:
             self._forget_queued(call)
-        call._advance(_SETTLED)
+        # (call._advance, inline: a call not settled may always settle; its facts were
+        # None, so it was not.)
+        call._state = _SETTLED
         owner = call._owner
         tally = owner.tally if owner is not None else s.tallies[""]
-        tally.settled[kind] += 1
-        tally.by_tool[call.tool, kind] += 1
+        tally.by_tool[call.tool, kind] += 1  # (and so ``settled``, by outcome)
         latency = now - times["submitted"]  # (Buckets.observe, inline: the hot path)
         buckets = tally.settle_latency
         buckets.counts[bisect_left(buckets.bounds, latency)] += 1

@@ -87,14 +87,13 @@ class Tally:
         "kill_to_reaped",
         "replaced",
         "settle_latency",
-        "settled",
         "started",
         "submitted",
         "unkillable",
     )
 
     def __init__(self) -> None:
-        self.settled: collections.Counter[str] = collections.Counter()
+        #: Settled calls by (tool, outcome); by outcome alone: ``settled``, summed when read.
         self.by_tool: collections.Counter[tuple[str, str]] = collections.Counter()
         self.escalations: collections.Counter[str] = collections.Counter()
         self.submitted = 0
@@ -104,11 +103,18 @@ class Tally:
         self.settle_latency = Buckets(SETTLE_LATENCY_BOUNDS)
         self.kill_to_reaped = Buckets(KILL_TO_REAPED_BOUNDS)
 
+    @property
+    def settled(self) -> collections.Counter[str]:
+        """Settled calls by outcome (from ``by_tool``: one count per settle, not two)."""
+        out: collections.Counter[str] = collections.Counter()
+        for (_, kind), n in self.by_tool.items():
+            out[kind] += n
+        return out
+
     @classmethod
     def total(cls, tallies: list[Tally]) -> Tally:
         out = cls()
         for t in tallies:
-            out.settled.update(t.settled)
             out.by_tool.update(t.by_tool)
             out.escalations.update(t.escalations)
             out.submitted += t.submitted
