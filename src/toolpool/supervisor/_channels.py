@@ -76,6 +76,9 @@ if TYPE_CHECKING:
 _log = logging.getLogger("toolpool.supervisor")
 #: What the listeners hear of (``_hosting.py``). An unkillable worker is out of service: the
 #: pool reaps it in the background (``docs/pool.md``, "Unkillable workers").
+#: In a burst of submits (no loop turn between them), a pump every this many: one dispatch
+#: pass for them all, and the workers fed while the burst lasts.
+OWED_SUBMITS: Final = 16
 _SPAWNING: Final = WorkerState.SPAWNING  # (bound once: read for every message)
 _PROVIDER_ACTIONS: Final = (
     ProviderUp,
@@ -420,22 +423,31 @@ class Channels:
     # ------------------------------------------------------------------ performing actions
 
     _pump_owed = False  # a pump is scheduled for the submits since (``_owe_pump``)
+    _owed_submits = 0  # submits since the last pump, while one is owed
     _soon: Callable[[Callable[[], object]], object] | None = None  # the loop's call_soon
 
     def _owe_pump(self) -> None:
-        """A submit owes a pump: run one soon, in the loop, for every submit until then (the
-        core runs their one dispatch pass before any other event it handles: ``Machine``,
-        "owed"). Outside a loop (never in the pool's own use), pump now."""
+        """A submit was handed to the core: the first of a burst is pumped at once (its call
+        goes out now: no loop turn added to a lone call's latency); the rest owe a pump,
+        run soon, in the loop, once for all of them, and at once every ``OWED_SUBMITS``
+        submits of a long burst (its workers are fed while it lasts). The core runs an owed
+        dispatch pass before any other event it handles (``Machine``, "owed"). Outside a
+        loop (never in the pool's own use), each pumps at once."""
         if self._pump_owed:
+            self._owed_submits += 1
+            if self._owed_submits >= OWED_SUBMITS:
+                self._owed_submits = 0
+                self._pump()
             return
+        self._pump()
         soon = self._soon
         if soon is None:
             try:
                 soon = self._soon = _loop_soon()
             except RuntimeError:
-                self._pump()
                 return
         self._pump_owed = True
+        self._owed_submits = 0
         soon(self._pay_pump)
 
     def _pay_pump(self) -> None:
