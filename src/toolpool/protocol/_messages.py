@@ -490,19 +490,25 @@ _EXTRAS: dict[Any, type] = {
 }
 
 
-_set_result_fields: Final = tuple(
-    ResultMessage.__dict__[n].__set__ for n in ResultMessage.__slots__
-)
 _new = object.__new__
-
-
-def _result_message(fields: list[Any]) -> ResultMessage:
-    """A ResultMessage of these 9 checked fields, slot by slot (its frozen __init__ sets each
-    through object.__setattr__: three times the cost, on the hot path)."""
-    msg = _new(ResultMessage)
-    for set_field, value in zip(_set_result_fields, fields, strict=True):
-        set_field(msg, value)
-    return msg
+_RESULT_SLOTS: Final = tuple(ResultMessage.__slots__)
+_ns: dict[str, Any] = {f"_set_{n}": ResultMessage.__dict__[n].__set__ for n in _RESULT_SLOTS}
+_ns.update(_new=_new, ResultMessage=ResultMessage)
+exec(
+    "\n".join(
+        (
+            "def _result_message(" + ", ".join(_RESULT_SLOTS) + "):",
+            "    msg = _new(ResultMessage)",
+            *(f"    _set_{n}(msg, {n})" for n in _RESULT_SLOTS),
+            "    return msg",
+        )
+    ),
+    _ns,
+)
+#: A ResultMessage of its 9 checked fields, slot by slot (its frozen __init__ sets each
+#: through object.__setattr__: three times the cost, on the hot path).
+_result_message: Final[Callable[..., ResultMessage]] = _ns["_result_message"]
+del _ns
 
 
 def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> WorkerMessage:
@@ -535,7 +541,17 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
                     if type(k) is not str:
                         break
                 else:
-                    return _result_message(data[1:])
+                    return _result_message(
+                        call_id,
+                        outcome,
+                        value,
+                        error,
+                        error_name,
+                        started,
+                        context,
+                        leftovers,
+                        extras,
+                    )
     if type(data) is not list or not data or type(data[0]) is not str:
         raise ProtocolViolation("a frame is an array whose first element is the message type")
     kind, body = data[0], data[1:]

@@ -486,7 +486,7 @@ class Channels:
         """Perform the core's actions in order; return the workers sent to."""
         sent_to: list[WorkerIO] = []
         core = self._core
-        reaper = self._reaper if core.reaper_up else None
+        reaper = self._reaper if core.s.reaper_up else None
         for action in actions:
             kind = type(action)
             if kind is Settled:

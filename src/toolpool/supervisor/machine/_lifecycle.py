@@ -3,6 +3,7 @@ death and replacement (C4.3, C4.6), and the reaper's own death."""
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import signal
@@ -253,7 +254,7 @@ class Lifecycle:
         self.s.act(Progressed(call))
 
     def _on_result(self, w: WorkerRecord, msg: ResultMessage) -> None:
-        settle = self.settlement.received(w, msg)
+        facts = self.settlement.received_facts(w, msg)
         if not msg.extras.get("kept", False) and len(w.calls) > 1:
             # Not in its ledger: it takes up nothing more until it knows this arrived.
             self.dispatch.send(w, encode(Ack(w.results)))
@@ -270,12 +271,12 @@ class Lifecycle:
         if leftovers and not background and self.s.reaper_up:
             # The call left processes behind: kill them before settling, so the result
             # can say how many, and the next call never inherits them.
-            w.pending = settle
+            w.pending = functools.partial(self.settlement.settle_received, *facts)
             if w.state is WorkerState.BUSY:
                 w.advance(WorkerState.CLEANING)
             self.s.act(Clean(w.wid))
             return
-        settle()
+        self.settlement.settle_received(*facts)
         if w.calls:
             self.s.probe.reset_peak(w.wid)  # the next call's peak starts about now
         self._resume(w)

@@ -140,7 +140,7 @@ class Settlement:
         del s.calls[call.id]
         if call._group is not None:
             call._group._calls.discard(call)
-        if w is not None and call in w.calls:
+        if w is not None and w.calls and (w.calls[0] is call or call in w.calls):
             if body_started is not False:
                 w.served += 1  # (ProviderSpec.max_calls)
             if w.calls[0] is call:
@@ -239,6 +239,13 @@ class Settlement:
     def received(self, w: WorkerRecord, msg: ResultMessage) -> functools.partial[None]:
         """w's next result arrived (or was found in its ledger): check it is for the call w
         runs, and return what settles that call."""
+        return functools.partial(self.settle_received, *self.received_facts(w, msg))
+
+    def received_facts(
+        self, w: WorkerRecord, msg: ResultMessage
+    ) -> tuple[CallRecord, tuple[Any, ...], Any, int | None]:
+        """:meth:`received`, as the arguments of :meth:`settle_received` (no partial made
+        where the caller settles at once)."""
         call = w.call
         if call is None or call.id != msg.call_id:
             raise ProtocolViolation(f"result for call {msg.call_id}, which it does not own")
@@ -257,9 +264,7 @@ class Settlement:
                 # what this side saw.
                 times["started"] = min(max(started_at, times["dispatched"]), now)
         fields = (msg.outcome, msg.error, msg.error_name, msg.body_started, msg.context, extras)
-        return functools.partial(
-            self.settle_received, call, fields, value, self.s.probe.peak(w.wid)
-        )
+        return call, fields, value, self.s.probe.peak(w.wid)
 
     # ------------------------------------------------------------------ post-mortem
 
