@@ -317,14 +317,16 @@ SupervisorMessage: TypeAlias = CallMessage | Cancel | Recall | Resume | Ack | Pi
 # --------------------------------------------------------------------------- codec
 
 
-#: One packer for every frame (``packb`` makes a new one per call). It holds the GIL while it
-#: packs the plain values frames carry, so threads never interleave in its buffer.
+#: One packer for the call frames (``packb`` makes a new one per call). Only for
+#: :func:`encode_call`: it packs an int, a str, bytes and an int, which never run Python code
+#: (so never let another thread in while its buffer is in use); a message carrying a map
+#: from a tool (a dict subclass's ``items``) might, so :func:`encode` uses ``packb``.
 _pack: Final = msgpack.Packer(use_bin_type=True).pack
 
 
 def encode(message: WorkerMessage | SupervisorMessage) -> bytes:
     """Encode one message as one frame."""
-    return _pack([message.TYPE, *message.fields()])
+    return msgpack.packb([message.TYPE, *message.fields()], use_bin_type=True)
 
 
 def encode_call(call_id: int, tool: str, args: bytes, acked: int) -> bytes:

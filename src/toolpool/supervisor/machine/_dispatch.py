@@ -98,7 +98,7 @@ class Dispatch:
                 s.probe.reset_peak(w.wid)  # the call's peak starts now
             held.append(call)
             call._worker = w
-            call._advance(_SENT)
+            call._state = _SENT  # (call._advance, inline: it was queued, checked above)
             batch = batches.get(w)
             if batch is None:
                 batches[w] = [call]

@@ -252,7 +252,8 @@ class Settlement:
         w.results += 1
         value = msg.value
         if value is not None:
-            value = unpack_value(value, self.s.config.max_frame)
+            # (b"\xc0" is msgpack's nil: a body that returned None, no unpack needed)
+            value = None if value == b"\xc0" else unpack_value(value, self.s.config.max_frame)
         times = call._times
         now = times["returned"] = self.s.now
         extras = msg.extras
