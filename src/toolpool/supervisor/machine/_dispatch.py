@@ -197,7 +197,7 @@ class Dispatch:
         call._provider = p
         if p.broken is not None:  # it fails like the rest of its queue did
             self.settlement.fail_queue(p)
-        self.schedule()
+        self.s.dispatch_due = True  # (schedule, inline: once per call)
 
     def requeue(self, call: CallRecord) -> None:
         """A call its worker never took up goes back to the front of the queue."""

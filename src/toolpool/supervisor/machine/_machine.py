@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from ...core import CancelCause, WorkerStartError
-from ...protocol import ProtocolViolation
+from ...protocol import ProtocolViolation, ResultMessage
 from .._results import WorkerState
 from ._actions import Action
 from ._dispatch import Dispatch
@@ -197,7 +197,10 @@ class Machine:
         if w is None or w.gone or w.violation is not None:
             return  # a quarantined violator: nothing it says counts any more
         try:
-            self.lifecycle.on_message(w, msg, peer_pid)
+            if type(msg) is ResultMessage:  # (the most frequent: no look through the rest)
+                self.lifecycle.on_result(w, msg)
+            else:
+                self.lifecycle.on_message(w, msg, peer_pid)
         except ProtocolViolation as exc:
             self.lifecycle.violated(w, f"protocol violation: {exc}")
 
