@@ -352,6 +352,11 @@ class World:
         self.steps += 1
         kind = step[0]
         core = self.core
+        if kind not in ("submit", "cancel", "gcancel") and core.s.owed_at is not None:
+            # The loop turned: the shell's owed pump ran before any I/O, timer or other task
+            # (a cancel, from the submitting task itself, may come first: the core pays the
+            # owed pass inside that event).
+            self.flush()
         live = [w for w in self.workers.values() if w.wid in core.workers]
         if kind == "submit":
             _, tool_i, group_i, timeout_i = step

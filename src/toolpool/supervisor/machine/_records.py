@@ -235,7 +235,8 @@ _timeline: Final[Callable[[dict[str, float]], Timeline]] = _ns["_timeline"]
 def _build_result(call: CallRecord) -> Result:
     """call's Result (and Timeline), from the facts it settled with: either an outcome and
     the settle's keywords (``Settlement.settle``), or a worker's result message with what the
-    supervisor added (``Settlement.settle_received``)."""
+    supervisor added (``Settlement.settle_received``); each ends with its cause, rung, worker
+    pid and step times as they were at the settlement."""
     facts = call._facts
     assert facts is not None
     r: Result = _new(Result)
@@ -268,7 +269,7 @@ def _build_result(call: CallRecord) -> Result:
             None if output is None else output.decode("utf-8", "replace"),
             extras.get("output_dropped", 0),
             None,
-            _timeline(call._times),
+            _timeline(facts[7]),
             call._index,
         )
         return r
@@ -302,7 +303,7 @@ def _build_result(call: CallRecord) -> Result:
         output,
         dropped,
         tree_verified,
-        _timeline(call._times),
+        _timeline(facts[17]),
         call._index,
     )
     return r

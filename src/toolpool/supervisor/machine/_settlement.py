@@ -89,6 +89,7 @@ class Settlement:
             call._cause,
             call._rung,
             w.pid if w is not None else None,
+            call._times,
         )
         self._settled(call, outcome._value_, body_started)
 
@@ -113,6 +114,7 @@ class Settlement:
             call._cause,
             call._rung,
             w.pid if w is not None else None,
+            call._times,
         )
         self._settled(call, fields[0], fields[3])
 
@@ -120,8 +122,9 @@ class Settlement:
         """call just got its facts: the bookkeeping of its settlement."""
         s = self.s
         now = s.now
-        times = call._times
+        times = call._times  # (the facts hold it: its Timeline is what it says now)
         times["settled"] = now
+        call._times = times.copy()  # (a stamp written after, by a ladder, changes no Result)
         w = call._worker
         if call._queued:
             self._forget_queued(call)
