@@ -94,7 +94,7 @@ class Dispatch:
                 elif w in ready:
                     ready.remove(w)
                 w.head_since = now
-                w.advance(_BUSY)
+                w.state = _BUSY  # (w.advance, inline: an idle worker, ready, may go busy)
                 s.probe.reset_peak(w.wid)  # the call's peak starts now
             held.append(call)
             call._worker = w
@@ -295,7 +295,7 @@ class Dispatch:
                     self.retire(w)
                     used_up = True
                 else:
-                    w.advance(_READY)
+                    w.state = _READY  # (w.advance, inline: busy with no call, it may go ready)
                     w.provider.ready.append(w)
         self.s.dispatch_due = True  # (_dispatch, inline: once per call)
         return used_up

@@ -377,7 +377,13 @@ class Machine:
         s = self.s
         s.now = now
         s.owed_at = None  # (paid here)
-        self._run_due()
+        for _ in range(1000):  # (_run_due, inline: once per call)
+            if s.procs:
+                s.run_procs()
+            if not s.dispatch_due:
+                break
+            s.dispatch_due = False
+            self.dispatch.run()
         out, s.out = s.out, []
         return out
 
