@@ -633,7 +633,7 @@ class Pool(Channels, Hosting):
             if not isinstance(args, Mapping):
                 raise TypeError(f"args must be a mapping, not {type(args).__name__}")
             args = dict(args)
-        packed = pack_value(args, "args")
+        packed = pack_value(args, "args") if args else b"\x80"  # (msgpack's empty map)
         if len(packed) > self.max_frame - 1024:
             raise ValueError(
                 f"args of {len(packed)} bytes exceed the {self.max_frame - 1024} bytes a call "
