@@ -69,6 +69,7 @@ from toolpool.supervisor.machine import (
     Machine,
     Orphaned,
     Progressed,
+    ProviderRecord,
     ProviderSpec,
     RestartReaper,
     Send,
@@ -212,6 +213,7 @@ class World:
         self.awaiting_replacement: list[int] = []  # reported unkillable in this flush
         self.heard_at: dict[int, float] = {}  # wid -> when its hello or heartbeat was read
         self.progress_at_settle: dict[int, Any] = {}  # call id -> its progress then
+        self.provider_of: dict[int, ProviderRecord] = {}  # wid -> whose tools it runs
 
     # ---- the core's side
 
@@ -262,6 +264,7 @@ class World:
             w = FakeWorker(action.wid, action.secret, next(self.pids))
             w.lingers = self.rng.random() < 0.2
             self.workers[action.wid] = w
+            self.provider_of[action.wid] = core.workers[action.wid].provider
             self.probe.marks_of[action.wid] = (0, 0)
             listed = PROVIDER_TOOLS[action.provider]
             tools = [{"name": n, "runs_in_thread": t} for n, t in listed.items()]
@@ -276,7 +279,10 @@ class World:
                 msg = decode_from_supervisor(frame)
                 if isinstance(msg, CallMessage):
                     call = self.calls[msg.call_id - 1]
-                    p = core.workers[action.wid].provider
+                    # (A submit's dispatch is performed at the next flush: its worker may
+                    # be gone from the core by then, its call back in the queue or settled.)
+                    cw = core.workers.get(action.wid)
+                    p = cw.provider if cw is not None else self.provider_of[action.wid]
                     if call.tool not in p.catalog or p.state != "active":
                         self.misrouted.append(f"call {call.id} ({call.tool}) to {p!r}")
                     group = call._group
@@ -356,6 +362,11 @@ class World:
         self.steps += 1
         kind = step[0]
         core = self.core
+        if kind not in ("submit", "cancel", "gcancel") and core.s.owed_at is not None:
+            # The loop turned: the shell's owed pump ran before any I/O, timer or other task
+            # (a cancel, from the submitting task itself, may come first: the core pays the
+            # owed pass inside that event).
+            self.flush()
         live = [w for w in self.workers.values() if w.wid in core.workers]
         if kind == "submit":
             _, tool_i, group_i, timeout_i = step
@@ -466,6 +477,11 @@ class World:
             self.now += dt
             self.beat()
             core.timer(self.now)
+        if kind == "submit":
+            # As the shell does: a submit's dispatch pass is owed, run by the next flush or
+            # first thing in the next event (so a burst of submits is dispatched in one pass).
+            self.check()
+            return
         self.flush()
 
     def provider_step(self, op: int, which: int, size: int) -> None:

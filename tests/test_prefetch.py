@@ -26,6 +26,7 @@ import toolpool
 import toolpool.supervisor.machine._dispatch as dispatch_module
 from pool_support import Readiness, new_marker, running_pool
 from toolpool import Outcome, Rung
+from toolpool.supervisor._pool import port_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60, method="thread")]
 
@@ -449,8 +450,11 @@ async def test_forcing_a_call_whose_result_is_on_its_way_spares_the_call_after_i
     so: killing the worker now would kill the next call, which nobody cancelled."""
     with blocking_listener() as (path, listener):
         async with running_pool(workers=1) as pool:
-            first = pool.submit("echo", {"value": 1})
-            after = pool.submit("ready_sync_nap", {"ready": path, "seconds": 30})
+            # (A submit's frames go out at the loop's next turn, which this test holds up:
+            # the batch sends both before that.)
+            with port_of(pool).batch():
+                first = pool.submit("echo", {"value": 1})
+                after = pool.submit("ready_sync_nap", {"ready": path, "seconds": 30})
             (pid,) = accept_announcement(listener)  # first's result waits, unread
             first.cancel(force=True)
             done = await first

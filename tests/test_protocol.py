@@ -30,6 +30,7 @@ from toolpool.protocol import (
     decode_from_supervisor,
     decode_from_worker,
     encode,
+    encode_call,
     pack_value,
     unpack_value,
 )
@@ -174,6 +175,27 @@ def test_frame_layout_is_an_array_with_the_type_first() -> None:
     assert msgpack.unpackb(encode(Shutdown())) == ["shutdown"]
     hello = msgpack.unpackb(encode(Hello(PROTOCOL_VERSION, 3, SECRET, [])), raw=False)
     assert hello == ["hello", PROTOCOL_VERSION, 3, SECRET, [], {}]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    call_id=st.integers(0, 2**63 - 1),
+    tool=st.text(max_size=300),
+    args=st.one_of(
+        st.binary(max_size=300),
+        st.sampled_from([b"", b"\x80", b"x" * 255, b"x" * 256, b"x" * 65535, b"x" * 65536]),
+    ),
+    acked=st.integers(0, 2**63 - 1),
+)
+def test_encode_call_is_byte_for_byte_the_old_encoding(
+    call_id: int, tool: str, args: bytes, acked: int
+) -> None:
+    # The supervisor's one-pack call frame: the same bytes on the wire as the message's own
+    # encoding, and as msgpack.packb of the frame's fields (the encoding before encode_call).
+    frame = encode_call(call_id, tool, args, acked)
+    assert frame == encode(Call(call_id, tool, args, acked))
+    assert frame == msgpack.packb(["call", call_id, tool, args, acked], use_bin_type=True)
+    assert decode_from_supervisor(frame) == Call(call_id, tool, args, acked)
 
 
 def test_packed_values_round_trip() -> None:

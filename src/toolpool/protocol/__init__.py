@@ -29,6 +29,7 @@ from ._messages import (
     decode_from_supervisor,
     decode_from_worker,
     encode,
+    encode_call,
     pack_value,
     unpack_value,
 )
@@ -88,6 +89,7 @@ __all__ = (
     "decode_from_supervisor",
     "decode_from_worker",
     "encode",
+    "encode_call",
     "pack_value",
     "unpack_value",
     "ByeReport",

@@ -8,7 +8,9 @@ See ``docs/protocol.md`` for the specification.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, TypeAlias
 
@@ -16,6 +18,7 @@ import msgpack
 
 from ._checks import MAX_ID as _MAX_ID
 from ._checks import MAX_NAME as _MAX_NAME
+from ._checks import MAX_TEXT as _MAX_TEXT
 from ._checks import ProtocolViolation
 from ._checks import arity as _arity
 from ._checks import binary as _bin
@@ -50,6 +53,7 @@ __all__ = (
     "decode_from_supervisor",
     "decode_from_worker",
     "encode",
+    "encode_call",
     "pack_value",
     "unpack_value",
 )
@@ -315,9 +319,23 @@ SupervisorMessage: TypeAlias = CallMessage | Cancel | Recall | Resume | Ack | Pi
 # --------------------------------------------------------------------------- codec
 
 
+#: One packer for the call frames (``packb`` makes a new one per call). Only for
+#: :func:`encode_call`: it packs an int, a str, bytes and an int, which never run Python code
+#: (so never let another thread in while its buffer is in use); a message carrying a map
+#: from a tool (a dict subclass's ``items``) might, so :func:`encode` uses ``packb``.
+_pack: Final = msgpack.Packer(use_bin_type=True).pack
+
+
 def encode(message: WorkerMessage | SupervisorMessage) -> bytes:
     """Encode one message as one frame."""
     return msgpack.packb([message.TYPE, *message.fields()], use_bin_type=True)
+
+
+def encode_call(call_id: int, tool: str, args: bytes, acked: int) -> bytes:
+    """The frame of ``CallMessage(call_id, tool, args, acked)``, byte for byte what
+    :func:`encode` makes of it, in one pack: no message object, no list of its fields (the
+    supervisor's hot path; ``args`` is packed already, and goes in as it is)."""
+    return _pack(["call", call_id, tool, args, acked])
 
 
 def pack_value(value: Any, name: str = "the value") -> bytes:
@@ -375,12 +393,15 @@ def _refused(value: Any, name: str) -> str:
     return "not serializable for the wire"
 
 
-def _unpack(frame: bytes, max_len: int) -> Any:
-    if len(frame) > max_len:
-        raise ProtocolViolation(f"frame of {len(frame)} bytes exceeds the limit of {max_len}")
-    try:
-        return msgpack.unpackb(
-            frame,
+def _unpacker(max_len: int) -> Callable[[bytes], Any]:
+    """msgpack.unpackb with the strict limits for frames of at most ``max_len`` bytes (one
+    per limit, made once: not ten keywords parsed per frame)."""
+    unpack = _UNPACKERS.get(max_len)
+    if unpack is None:
+        if len(_UNPACKERS) > 64:
+            _UNPACKERS.clear()
+        unpack = _UNPACKERS[max_len] = functools.partial(
+            msgpack.unpackb,
             raw=False,
             strict_map_key=True,
             use_list=True,
@@ -391,6 +412,17 @@ def _unpack(frame: bytes, max_len: int) -> Any:
             max_ext_len=0,
             ext_hook=_reject_ext,
         )
+    return unpack
+
+
+_UNPACKERS: dict[int, Callable[[bytes], Any]] = {}
+
+
+def _unpack(frame: bytes, max_len: int) -> Any:
+    if len(frame) > max_len:
+        raise ProtocolViolation(f"frame of {len(frame)} bytes exceeds the limit of {max_len}")
+    try:
+        return _unpacker(max_len)(frame)
     except ProtocolViolation:
         raise
     except Exception as exc:  # msgpack raises many types: ExtraData, StackError, ValueError...
@@ -435,9 +467,71 @@ _EXTRAS: dict[Any, type] = {
 }
 
 
+_new = object.__new__
+_RESULT_SLOTS: Final = tuple(ResultMessage.__slots__)
+_ns: dict[str, Any] = {f"_set_{n}": ResultMessage.__dict__[n].__set__ for n in _RESULT_SLOTS}
+_ns.update(_new=_new, ResultMessage=ResultMessage)
+exec(
+    "\n".join(
+        (
+            "def _result_message(" + ", ".join(_RESULT_SLOTS) + "):",
+            "    msg = _new(ResultMessage)",
+            *(f"    _set_{n}(msg, {n})" for n in _RESULT_SLOTS),
+            "    return msg",
+        )
+    ),
+    _ns,
+)
+#: A ResultMessage of its 9 checked fields, slot by slot (its frozen __init__ sets each
+#: through object.__setattr__: three times the cost, on the hot path).
+_result_message: Final[Callable[..., ResultMessage]] = _ns["_result_message"]
+del _ns
+
+
 def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> WorkerMessage:
     """Decode and validate one frame a worker sent. Raises :class:`ProtocolViolation`."""
-    kind, body = _frame(frame, max_len)
+    data = _unpack(frame, max_len)
+    # A result, the most frequent frame, checked inline: what the general path below checks,
+    # in the same order (anything unusual goes that way, to fail there with its reason).
+    if type(data) is list and len(data) == 10 and data[0] == "result":
+        call_id, outcome, value, error, error_name, started, context, leftovers, extras = data[1:]
+        if (
+            type(extras) is dict
+            and type(outcome) is str
+            and outcome in OUTCOME_NAMES
+            and type(started) is bool
+            and type(context) is dict
+            and type(call_id) is int
+            and 0 <= call_id <= _MAX_ID
+            and (value is None or type(value) is bytes)
+            and (error is None or (type(error) is str and len(error) <= _MAX_TEXT))
+            and (error_name is None or (type(error_name) is str and len(error_name) <= _MAX_NAME))
+            and type(leftovers) is int
+            and 0 <= leftovers <= _MAX_ID
+        ):
+            for k, v in extras.items():
+                t = _EXTRAS.get(k)
+                if t is not None and type(v) is not t:
+                    break
+            else:
+                for k in context:
+                    if type(k) is not str:
+                        break
+                else:
+                    return _result_message(
+                        call_id,
+                        outcome,
+                        value,
+                        error,
+                        error_name,
+                        started,
+                        context,
+                        leftovers,
+                        extras,
+                    )
+    if type(data) is not list or not data or type(data[0]) is not str:
+        raise ProtocolViolation("a frame is an array whose first element is the message type")
+    kind, body = data[0], data[1:]
     if kind == "result":
         _arity(body, 9, kind)
         extras = body[8]

@@ -6,6 +6,7 @@ what the core asks."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -86,6 +87,10 @@ if TYPE_CHECKING:
 _log = logging.getLogger("toolpool.supervisor")
 #: What the listeners hear of (``_hosting.py``). An unkillable worker is out of service: the
 #: pool reaps it in the background (``docs/pool.md``, "Unkillable workers").
+#: In a burst of submits (no loop turn between them), a pump every this many: one dispatch
+#: pass for them all, and the workers fed while the burst lasts.
+OWED_SUBMITS: Final = 16
+_SPAWNING: Final = WorkerState.SPAWNING  # (bound once: read for every message)
 _PROVIDER_ACTIONS: Final = (
     ProviderUp,
     ProviderDown,
@@ -94,6 +99,20 @@ _PROVIDER_ACTIONS: Final = (
     WorkerDown,
     Unkillable,
 )
+
+
+def _loop_soon() -> Callable[[Callable[[], object]], object]:
+    """The running event loop's way to run a callback soon (RuntimeError: no loop runs)."""
+    try:
+        return asyncio.get_running_loop().call_soon
+    except RuntimeError:
+        pass
+    try:
+        import trio  # (anyio's other backend: imported only where it runs)
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    except (ImportError, RuntimeError):
+        raise RuntimeError("no event loop runs") from None
 
 
 class Channels:
@@ -231,16 +250,19 @@ class Channels:
             self._read(io)
             self._pump()
 
-    def _read(self, io: WorkerIO) -> None:
-        """Hand the core every message readable on the worker's socket (no actions yet)."""
+    def _read(self, io: WorkerIO) -> bool:
+        """Hand the core every message readable on the worker's socket (no actions yet);
+        True if there was one."""
         sock = io.sock
         core = self._core
         wid = io.wid
         max_frame = self.max_frame
+        got = False
         while not sock.closed and readable(sock):
+            got = True
             w = core.workers.get(wid)
             sender: int | None = None
-            if w is not None and w.state is WorkerState.SPAWNING:
+            if w is not None and w.state is _SPAWNING:
                 # Its hello: note who really sent it.
                 zframe = sock.recv(zmq.NOBLOCK, copy=False)
                 sender = peer_pid(zframe)
@@ -262,6 +284,7 @@ class Channels:
                 except Exception as exc:  # a gap in the core must never take the pool down
                     _log.exception("worker %s: unexpected error handling its message", wid)
                     core.violation(wid, f"protocol violation: {type(exc).__name__}: {exc}", now)
+        return got
 
     async def _watch_disconnect(self, io: WorkerIO) -> None:
         """Notice a dropped connection (an oversized frame makes zmq disconnect the peer).
@@ -417,6 +440,41 @@ class Channels:
 
     # ------------------------------------------------------------------ performing actions
 
+    _pump_owed = False  # a pump is scheduled for the submits since (``_owe_pump``)
+    _owed_submits = 0  # submits since the last pump, while one is owed
+    _soon: Callable[[Callable[[], object]], object] | None = None  # the loop's call_soon
+
+    def _owe_pump(self) -> None:
+        """A submit was handed to the core: the first of a burst is pumped at once (its call
+        goes out now: no loop turn added to a lone call's latency); the rest owe a pump,
+        run soon, in the loop, once for all of them, and at once every ``OWED_SUBMITS``
+        submits of a long burst (its workers are fed while it lasts). The core runs an owed
+        dispatch pass before any other event it handles (``Machine``, "owed"). Outside a
+        loop (never in the pool's own use), each pumps at once."""
+        if self._pump_owed:
+            self._owed_submits += 1
+            if self._owed_submits >= OWED_SUBMITS:
+                self._owed_submits = 0
+                self._pump()
+            return
+        self._pump()
+        soon = self._soon
+        if soon is None:
+            try:
+                soon = self._soon = _loop_soon()
+            except RuntimeError:
+                return
+        self._pump_owed = True
+        self._owed_submits = 0
+        soon(self._pay_pump)
+
+    def _pay_pump(self) -> None:
+        self._pump_owed = False
+        try:
+            self._pump()
+        except Exception:  # (a callback of the loop's: never let it end the loop)
+            _log.exception("performing what the core asks failed")
+
     def _pump(self) -> None:
         """Perform what the core asks until it asks nothing more. Sending may consume the
         edge of zmq's notification fd: what arrived meanwhile is read here, in the loop (a
@@ -432,8 +490,7 @@ class Channels:
                     break
                 more = False
                 for io in self._perform(actions):
-                    if not io.sock.closed and readable(io.sock):
-                        self._read(io)
+                    if self._read(io):  # (it looks whether there is something)
                         more = True
                 if not more and not core.due():
                     break  # (nothing read, nothing new: the next flush would be empty)
@@ -447,7 +504,7 @@ class Channels:
         """Perform the core's actions in order; return the workers sent to."""
         sent_to: list[WorkerIO] = []
         core, faces = self._core, self._faces
-        reaper = self._reaper if core.reaper_up else None
+        reaper = self._reaper if core.s.reaper_up else None
         for action in actions:
             kind = type(action)
             if kind is Settled:

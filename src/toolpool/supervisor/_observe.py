@@ -26,6 +26,7 @@ def snapshot(core: Machine, probe: Probe, now: float, provider: str | None = Non
     (its workers, its calls: those of its tools, all its generations): counters the core
     keeps, plus what is read now (the oldest queued call, the processes of unkillable
     trees)."""
+    core.pay_owed()  # (the submits' dispatch pass, if still owed: read the records after it)
     tally = core.tally(provider)
     workers = [w for w in core.workers.values() if provider is None or w.provider.name == provider]
     calls = [

@@ -621,13 +621,15 @@ class Pool(Channels, Hosting):
         group: Group | None,
         index: int | None = None,
     ) -> Call:
-        self._check_open()
+        core = self._core
+        if self._state != "running" or core.s.broken is not None:
+            self._check_open()
         if not isinstance(tool, str):
             raise TypeError(f"a tool name is a str, not {type(tool).__name__}")
-        provider = self._core.owner.get(tool)
+        provider = core.owner.get(tool)
         if provider is None:
             raise UnknownToolError(
-                f"no worker provides a tool named {tool!r}; known: {sorted(self._core.catalog)}"
+                f"no worker provides a tool named {tool!r}; known: {sorted(core.catalog)}"
             )
         if provider.broken is not None:
             raise provider.broken
@@ -657,8 +659,8 @@ class Pool(Channels, Hosting):
         record = CallRecord(self._call_ids, tool, packed, group and group._record, now)
         record._index = index
         call = self._faces[record.id] = Call(self._port, record)
-        self._core.submit(record, timeout=timeout, now=now)
-        self._pump()
+        core.submit(record, timeout=timeout, now=now)
+        self._owe_pump()  # (one pump, soon, for a burst of submits)
         return call
 
     def _cancel(self, call: Call, cause: CancelCause, *, force: bool) -> None:

@@ -153,7 +153,7 @@ class _InterruptedClose:
         portal = sync._portal
         if portal is None:
             return
-        calls = [c for c in list(pool._core.calls.values()) if c._result is None]
+        calls = [c for c in list(pool._core.calls.values()) if c._facts is None]
         say(killing_line(len(calls)))
         call_soon = sync._call_soon
         if call_soon is not None:

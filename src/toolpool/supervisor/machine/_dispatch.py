@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Final
 
 from ...core import CancelCause
-from ...protocol import CallMessage, Recall, Resume, Shutdown, encode
+from ...protocol import Recall, Resume, Shutdown, encode, encode_call
 from .._results import Rung, WorkerState
 from ._actions import Send
 from ._records import CallRecord, CallState, ProviderRecord, ProviderState, WorkerRecord
@@ -63,8 +63,11 @@ class Dispatch:
 
     def _dispatch_provider(self, p: ProviderRecord) -> None:
         queue = p.queue
+        ready = p.ready
         batches: dict[WorkerRecord, list[CallRecord]] = {}
-        now = self.s.now
+        s = self.s
+        now = s.now
+        spares = p.spec.warm_spares
         while queue:
             call = queue[0]
             if call._state is not _QUEUED:  # settled while queued
@@ -75,30 +78,42 @@ class Dispatch:
             if group is not None and group.cancelled:  # C5.2: never dispatched after its cancel
                 self.settlement.abort_queued(call, group.signal.reason or _PARENT)  # (drops it)
                 continue
-            w = self._pick(p, now)
-            if w is None:
-                break
+            # (_pick's first choice, inline: the last idle worker, where spares are no bar)
+            w = ready[-1] if ready and not spares else None
+            if w is None or w.state is not _READY or w.gone or w.calls:
+                w = self._pick(p, now)
+                if w is None:
+                    break
             queue.popleft()
             call._queued = False
             call._provider = None
-            if not w.calls:
-                if w in p.ready:
-                    p.ready.remove(w)
+            held = w.calls
+            if not held:
+                if ready and ready[-1] is w:
+                    ready.pop()
+                elif w in ready:
+                    ready.remove(w)
                 w.head_since = now
-                w.advance(_BUSY)
-                self.s.probe.reset_peak(w.wid)  # the call's peak starts now
-            w.calls.append(call)
+                w.state = _BUSY  # (w.advance, inline: an idle worker, ready, may go busy)
+                s.probe.reset_peak(w.wid)  # the call's peak starts now
+            held.append(call)
             call._worker = w
-            call.advance(_SENT)
-            batches.setdefault(w, []).append(call)
+            call._state = _SENT  # (call.advance, inline: it was queued, checked above)
+            batch = batches.get(w)
+            if batch is None:
+                batches[w] = [call]
+            else:
+                batch.append(call)
         if p.settled_in_queue:
             self.settlement.compact_queue(p)  # (what went out may leave it mostly settled calls)
-        out = self.s.out
+        out = s.out
         for w, calls in batches.items():
             # One multipart message per worker: one wake-up of zmq's I/O thread for all of
             # them (each part is one 'call' frame).
-            frames = [encode(CallMessage(c.id, c.tool, c._args, w.results)) for c in calls]
+            acked = w.results
+            frames = []
             for call in calls:
+                frames.append(encode_call(call.id, call.tool, call._args, acked))
                 call._times["dispatched"] = now
             out.append(_new_send(Send, (w.wid, frames, tuple(calls))))
         if p.spec.prefetch:
@@ -182,7 +197,7 @@ class Dispatch:
         call._provider = p
         if p.broken is not None:  # it fails like the rest of its queue did
             self.settlement.fail_queue(p)
-        self.schedule()
+        self.s.dispatch_due = True  # (schedule, inline: once per call)
 
     def requeue(self, call: CallRecord) -> None:
         """A call its worker never took up goes back to the front of the queue."""
@@ -221,7 +236,7 @@ class Dispatch:
         cancel withdraws it), or it is no longer w's. True if asked now."""
         if call._recalling or call._cause is not None:
             return False
-        if call._worker is not w or call._result is not None:
+        if call._worker is not w or call._facts is not None:
             return False
         call._recalling = True
         self.send(w, encode(Recall(call.id)))
@@ -280,7 +295,7 @@ class Dispatch:
                     self.retire(w)
                     used_up = True
                 else:
-                    w.advance(_READY)
+                    w.state = _READY  # (w.advance, inline: busy with no call, it may go ready)
                     w.provider.ready.append(w)
         self.s.dispatch_due = True  # (_dispatch, inline: once per call)
         return used_up

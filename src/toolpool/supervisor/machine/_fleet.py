@@ -215,7 +215,7 @@ class Fleet:
         for w in list(self.s.workers.values()):
             if w.provider is p:
                 for call in list(w.calls):
-                    if call._result is None:
+                    if call._facts is None:
                         self.ladder.cancel(call, _DISPOSED, force=False)
 
     # ------------------------------------------------------------------ decisions

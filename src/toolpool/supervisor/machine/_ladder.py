@@ -34,7 +34,7 @@ class Ladder:
         self.dispatch = dispatch
 
     def cancel(self, call: CallRecord, cause: CancelCause, *, force: bool) -> None:
-        if call._result is not None:
+        if call._facts is not None:
             return
         self.settlement.record_cause(call, cause)
         if call._state is CallState.QUEUED:
@@ -82,28 +82,28 @@ class Ladder:
         config = self.s.config
         deadline = self.s.now + config.graces.cancel
         unanswered = False
-        while call._result is None and not w.gone and not self._at_or_past(w, call):
+        while call._facts is None and not w.gone and not self._at_or_past(w, call):
             if self.s.now >= deadline and all(c._cause is not None for c in w.calls):
                 unanswered = True
                 break
             look = self.s.now + _LOOK_FIRST_IN_LINE
             yield Wait(
                 look if self.s.now >= deadline else min(deadline, look),
-                lambda: call._result is not None or w.gone or call is w.call,
+                lambda: call._facts is not None or w.gone or call is w.call,
             )
-        if call._forced and call._result is None and not w.gone:
+        if call._forced and call._facts is None and not w.gone:
             yield from self._kill_when_clear(w, call)
             return
         if not unanswered:
-            yield Wait(self.s.now + config.graces.cancel, lambda: call._result is not None)
-        if call._result is None and call._rung is not Rung.SIGKILL:
+            yield Wait(self.s.now + config.graces.cancel, lambda: call._facts is not None)
+        if call._facts is None and call._rung is not Rung.SIGKILL:
             yield from self._clear_behind(w, call)
         yield from self._await_sent_result(w, call)
-        if call._result is not None and w.state is not WorkerState.QUARANTINED:
+        if call._facts is not None and w.state is not WorkerState.QUARANTINED:
             return
         if w.gone or w.violation is not None:
             return
-        if call._result is None and call._rung is not Rung.SIGKILL:
+        if call._facts is None and call._rung is not Rung.SIGKILL:
             self._terminate(w, call)
         yield Wait(self.s.now + config.graces.term, lambda: w.gone)
         if not w.gone:
@@ -113,7 +113,7 @@ class Ladder:
         """Kill w for call (forced), once no other call of w can die of it."""
         yield from self._clear_behind(w, call)
         yield from self._await_sent_result(w, call)
-        if call._result is None and not w.gone and w.violation is None:
+        if call._facts is None and not w.gone and w.violation is None:
             self._kill(w, call)
 
     def _clear_behind(self, w: WorkerRecord, call: CallRecord) -> Proc:
@@ -128,7 +128,7 @@ class Ladder:
         self.dispatch.recall_behind(w, call)
         yield Wait(
             self.s.now + self.s.config.graces.term,
-            lambda: call._result is not None or w.gone or not self._exposed(w, call),
+            lambda: call._facts is not None or w.gone or not self._exposed(w, call),
             _LOOK_CLEARED,
         )
 
@@ -136,9 +136,9 @@ class Ladder:
         """If w is done with call, its result is on its way: give it term_grace to arrive
         before escalating against w, which may run an uncancelled call since. Bounded: the
         ledger is the worker's to scribble on."""
-        if call._result is None and not w.gone and self._progress(w, call) == 1:
-            yield Wait(self.s.now + self.s.config.graces.term, lambda: call._result is not None)
-            if call._result is None and not w.gone and self._progress(w, call) == 1:
+        if call._facts is None and not w.gone and self._progress(w, call) == 1:
+            yield Wait(self.s.now + self.s.config.graces.term, lambda: call._facts is not None)
+            if call._facts is None and not w.gone and self._progress(w, call) == 1:
                 # Its word, and no result to show for it: a worker that lies in its ledger,
                 # or withholds results. It is out of service for breaking the protocol (C7),
                 # not killed for this call: the call it runs since is lost to its breach.

@@ -3,6 +3,7 @@ death and replacement (C4.3, C4.6), and the reaper's own death."""
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import signal
@@ -141,7 +142,7 @@ class Lifecycle:
 
     def on_message(self, w: WorkerRecord, msg: Any, peer_pid: int | None) -> None:
         if isinstance(msg, ResultMessage):
-            self._on_result(w, msg)
+            self.on_result(w, msg)
         elif isinstance(msg, StartedMessage):
             call = w.call
             if call is None or call.id != msg.call_id or call._started:
@@ -252,8 +253,9 @@ class Lifecycle:
         call._progress = Progress(msg.done, msg.total, msg.message)
         self.s.act(Progressed(call))
 
-    def _on_result(self, w: WorkerRecord, msg: ResultMessage) -> None:
-        settle = self.settlement.received(w, msg)
+    def on_result(self, w: WorkerRecord, msg: ResultMessage) -> None:
+        """w's result (``Machine.message`` comes here at once for one: the hot path)."""
+        facts = self.settlement.received_facts(w, msg)
         if not msg.extras.get("kept", False) and len(w.calls) > 1:
             # Not in its ledger: it takes up nothing more until it knows this arrived.
             self.dispatch.send(w, encode(Ack(w.results)))
@@ -270,15 +272,16 @@ class Lifecycle:
         if leftovers and not background and self.s.reaper_up:
             # The call left processes behind: kill them before settling, so the result
             # can say how many, and the next call never inherits them.
-            w.pending = settle
+            w.pending = functools.partial(self.settlement.settle_received, *facts)
             if w.state is WorkerState.BUSY:
                 w.advance(WorkerState.CLEANING)
             self.s.act(Clean(w.wid))
             return
-        settle()
+        self.settlement.settle_received(*facts)
         if w.calls:
             self.s.probe.reset_peak(w.wid)  # the next call's peak starts about now
-        self._resume(w)
+        if self.dispatch.resume(w):  # (_resume, inline)
+            self.fleet.top_up(w.provider)
 
     def _on_withdrawn(self, w: WorkerRecord, msg: Withdrawn) -> None:
         # Only a queued call it was asked to give back (a cancel, a recall, a shutdown).

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from ...core import CancelCause, WorkerStartError
-from ...protocol import ProtocolViolation
+from ...protocol import ProtocolViolation, ResultMessage
 from .._results import WorkerState
 from ._actions import Action
 from ._dispatch import Dispatch
@@ -84,6 +84,8 @@ class Machine:
         """The pool starts: start the workers of the providers added so far (the default
         one, ``Pool(tools, ...)``: its size, plus warm spares); a provider added from now on
         starts its workers at once."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         self.s.started = True
         for p in list(self.s.pending.values()):
@@ -104,6 +106,8 @@ class Machine:
     def close(self, now: float) -> None:
         """Closing (C5.3): nothing is dispatched any more; every call is cancelled with cause
         ``disposed`` (the shell cancels the groups first)."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         self.s.closing = True
         for call in list(self.s.calls.values()):
@@ -111,6 +115,8 @@ class Machine:
 
     def retire_idle(self, now: float) -> None:
         """Tell every idle worker to exit (a spawning one is retired when its hello comes)."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         for w in list(self.s.workers.values()):
             if w.state is WorkerState.READY and not w.gone:
@@ -118,6 +124,8 @@ class Machine:
 
     def kill_remaining(self, now: float) -> None:
         """SIGKILL the tree of every worker not gone yet (the close's last resort)."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         for w in list(self.s.workers.values()):
             if not w.gone and not w.orphaned:
@@ -155,15 +163,23 @@ class Machine:
             call._deadline = now + timeout
             s.arm(call._deadline, "deadline", call.id)
         self.dispatch.enqueue(call)
+        # Its dispatch pass is owed: one for a burst of submits, run by the next flush, or
+        # first thing in any other event (``_pay_owed``), so that every other event finds
+        # the machine as if each submit had been flushed at once.
+        s.owed_at = now
 
     def cancel(self, call: CallRecord, cause: CancelCause, *, force: bool, now: float) -> None:
         """A cancel request for one call (validated by the shell)."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         self.ladder.cancel(call, cause, force=force)
 
     def cancel_group(self, group: GroupRecord, cause: CancelCause, now: float) -> None:
         """A group was cancelled (C5.2): its queued calls first (cancelling a running one can
         settle it at once, which frees its worker for the next queued call)."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         for call in sorted(group._calls, key=lambda c: c._state is not CallState.QUEUED):
             self.ladder.cancel(call, cause, force=False)
@@ -174,18 +190,25 @@ class Machine:
         """A decoded message from worker ``wid`` (``peer_pid``: who sent it, where the
         socket tells, for a worker that has not said hello)."""
         s = self.s
+        if s.owed_at is not None:
+            self._pay_owed()
         s.now = now
         w = s.workers.get(wid)
         if w is None or w.gone or w.violation is not None:
             return  # a quarantined violator: nothing it says counts any more
         try:
-            self.lifecycle.on_message(w, msg, peer_pid)
+            if type(msg) is ResultMessage:  # (the most frequent: no look through the rest)
+                self.lifecycle.on_result(w, msg)
+            else:
+                self.lifecycle.on_message(w, msg, peer_pid)
         except ProtocolViolation as exc:
             self.lifecycle.violated(w, f"protocol violation: {exc}")
 
     def heartbeat(self, wid: int, now: float) -> None:
         """Worker ``wid`` sent a heartbeat (its threads run). The shell passes heartbeat
         messages to :meth:`message`, which comes here; a model may call it directly."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         w = self.s.workers.get(wid)
         if w is not None and not w.gone and w.violation is None and w.answered:
@@ -193,6 +216,8 @@ class Machine:
 
     def violation(self, wid: int, text: str, now: float) -> None:
         """Worker ``wid`` sent what cannot be decoded (C7)."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         w = self.s.workers.get(wid)
         if w is not None and not w.gone and w.violation is None:
@@ -201,6 +226,8 @@ class Machine:
     def disconnected(self, wid: int, now: float) -> None:
         """Worker ``wid``'s connection dropped (dead, dying, or an oversized frame): never
         trust it again; the reaper reports when its tree is gone."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         w = self.s.workers.get(wid)
         if w is not None and not w.gone:
@@ -219,6 +246,8 @@ class Machine:
         """The shell could not hand worker ``wid`` these calls: no body can have started.
         Put them back and retire it: its peer is gone (it died, or is dying of what it
         runs), not misbehaving."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         w = self.s.workers.get(wid)
         for call in reversed(calls):
@@ -230,6 +259,8 @@ class Machine:
             self.ladder.quarantine(w, None)
 
     def spawn_failed(self, wid: int, error: str, now: float) -> None:
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         w = self.s.workers.get(wid)
         if w is not None:
@@ -238,6 +269,8 @@ class Machine:
             self.lifecycle.worker_gone(w)
 
     def spawned(self, wid: int, pid: int, method: str, now: float) -> None:
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         w = self.s.workers.get(wid)
         if w is not None:
@@ -245,6 +278,8 @@ class Machine:
 
     def exited(self, wid: int, status: int, oom_kills: int, now: float) -> None:
         """The worker process exited (its tree may live on: ``gone`` says when it is not)."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         w = self.s.workers.get(wid)
         if w is not None:
@@ -253,6 +288,8 @@ class Machine:
     def gone(self, wid: int, now: float, *, verified: bool = True) -> None:
         """The worker and every process of its tree are gone (``verified=False``: its
         reaper died and nothing could check its descendants)."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         w = self.s.workers.get(wid)
         if w is not None:
@@ -261,6 +298,8 @@ class Machine:
 
     def cleaned(self, wid: int, count: int, now: float) -> None:
         """What the worker's last call left running was killed (``count`` processes)."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         w = self.s.workers.get(wid)
         if w is not None:
@@ -268,14 +307,20 @@ class Machine:
 
     def reaper_lost(self, now: float, *, error: str | None = None) -> None:
         """The reaper went away; ``error``: why, when the client knows (it broke the protocol)."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         self.lifecycle.reaper_lost(error)
 
     def reaper_ready(self, now: float) -> None:
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         self.lifecycle.reaper_ready()
 
     def reaper_failed(self, error: str, now: float) -> None:
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         self.lifecycle.reaper_failed(error)
 
@@ -284,13 +329,15 @@ class Machine:
     def timer(self, now: float) -> None:
         """Time passed: handle the deadlines due (call timeouts, hello deadlines, respawns;
         the waits of the ladders are looked at in ``flush``)."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         timers = self.s.timers
         while timers and timers[0][0] <= now:
             _, _, kind, key = heapq.heappop(timers)
             if kind == "deadline":
                 call = self.s.calls.get(key)  # settled calls are no longer there
-                if call is not None and call._result is None:
+                if call is not None and call._facts is None:
                     self.ladder.cancel(call, _TIMEOUT, force=False)
             elif kind == "hello":
                 self.lifecycle.hello_overdue(key)
@@ -305,6 +352,23 @@ class Machine:
             elif kind == "beat":
                 self.lifecycle.beat_overdue(key)
 
+    def pay_owed(self) -> None:
+        """Run the dispatch pass the submits since the last flush owe, if any: for a reader
+        of the records (``Pool.statistics``) that must find them as after each submit's
+        flush. Its actions wait for the next flush."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
+
+    def _pay_owed(self) -> None:
+        """Run the dispatch pass the submits since the last flush owe, at the time of the
+        last of them; its actions wait in the outbox for the next flush, before the next
+        event's."""
+        s = self.s
+        owed_at, s.owed_at = s.owed_at, None
+        if owed_at is not None:
+            s.now = owed_at
+        self._run_due()
+
     def due(self) -> bool:
         """Whether ``flush`` has anything to do or return."""
         return bool(self.s.out) or self.s.dispatch_due or bool(self.s.procs)
@@ -313,7 +377,8 @@ class Machine:
         """Run what the events so far made due; return the actions to perform, in order."""
         s = self.s
         s.now = now
-        for _ in range(1000):
+        s.owed_at = None  # (paid here)
+        for _ in range(1000):  # (_run_due, inline: once per call)
             if s.procs:
                 s.run_procs()
             if not s.dispatch_due:
@@ -322,6 +387,16 @@ class Machine:
             self.dispatch.run()
         out, s.out = s.out, []
         return out
+
+    def _run_due(self) -> None:
+        s = self.s
+        for _ in range(1000):
+            if s.procs:
+                s.run_procs()
+            if not s.dispatch_due:
+                break
+            s.dispatch_due = False
+            self.dispatch.run()
 
     # ------------------------------------------------------------------ introspection
 
@@ -378,27 +453,37 @@ class Machine:
         active once they are all ready (or ``failed``: its ``broken`` says why). The shell
         checks ``name`` is free. ``Pool(tools, ...)`` adds the provider ``"default"`` so,
         before its start."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         return self.fleet.add(name, spec)
 
     def reload_provider(self, name: str, now: float) -> ProviderRecord:
         """Start a new generation of provider ``name``; it replaces the current one once
         every new worker is ready."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         return self.fleet.reload(name)
 
     def remove_provider(self, name: str, reason: str, now: float) -> ProviderRecord | None:
         """Take provider ``name`` out: its tools go at once, its workers drain."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         return self.fleet.remove(name, reason)
 
     def resize(self, name: str, size: int, now: float, *, force: bool = False) -> None:
         """Grow or shrink provider ``name`` to ``size`` workers, and stop autoscaling it."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         self.fleet.resize(name, size, force=force)
 
     def autoscale(self, name: str, policy: Autoscale | None, now: float) -> None:
         """Let the machine size provider ``name`` within ``policy``'s bounds (None: stop)."""
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.now = now
         self.fleet.autoscale(name, policy)
 
@@ -422,6 +507,8 @@ class Machine:
 
     @closing.setter
     def closing(self, value: bool) -> None:
+        if self.s.owed_at is not None:
+            self._pay_owed()
         self.s.closing = value
 
     @property

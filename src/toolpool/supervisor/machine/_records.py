@@ -12,10 +12,11 @@ import collections
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Final
 
-from ...core import CancelCause, CancelController, CancelSignal, WorkerStartError
-from .._results import Progress, Result, Rung, WorkerState
+from ...core import CancelCause, CancelController, CancelSignal, Outcome, WorkerStartError
+from .._results import Progress, Result, Rung, Timeline, WorkerState
 
 __all__ = (
     "KILLED_TEXT",
@@ -97,6 +98,7 @@ class CallRecord:
         "_args",
         "_cause",
         "_deadline",
+        "_facts",
         "_forced",
         "_group",
         "_index",
@@ -107,7 +109,7 @@ class CallRecord:
         "_queued",
         "_recalling",
         "_requeued",
-        "_result",
+        "_res",
         "_rung",
         "_started",
         "_state",
@@ -132,7 +134,10 @@ class CallRecord:
         self._cause: CancelCause | None = None
         self._rung = Rung.NONE
         self._started = False
-        self._result: Result | None = None
+        # What it settled with (``Settlement.settle``): a tuple, made into its Result (and
+        # Timeline) when someone first reads ``_result``; None until it settled.
+        self._facts: tuple[Any, ...] | None = None
+        self._res: Result | None = None  # its Result, once built
         self._deadline: float | None = None
         self._laddering = False  # its escalation ladder runs
         self._queued = False  # it is in a provider's queue (settled ones may linger there)
@@ -144,6 +149,20 @@ class CallRecord:
         self._times: dict[str, float] = {"submitted": now}
         self._progress: Progress | None = None  # what its body last reported
 
+    @property
+    def _result(self) -> Result | None:
+        """Its :class:`Result` once settled (built on the first read), else None. Whether it
+        settled, without building it: ``_facts is not None``."""
+        res = self._res
+        if res is None and self._facts is not None:
+            res = self._res = _build_result(self)
+        return res
+
+    @_result.setter
+    def _result(self, result: Result | None) -> None:  # (a test's, or a shell's, own result)
+        self._res = result
+        self._facts = None if result is None else ()
+
     def advance(self, to: CallState) -> None:
         """Move to ``to``, if ``CALL_MOVES`` lets it (else :class:`IllegalMove`)."""
         if to._name_ not in _CALL_NEXT[self._state._name_]:
@@ -154,7 +173,7 @@ class CallRecord:
         """The invariants between its fields (``Machine.check``)."""
         state, worker = self._state, self._worker
         # Settled exactly when it has its result.
-        require((state is CallState.SETTLED) == (self._result is not None), self)
+        require((state is CallState.SETTLED) == (self._facts is not None), self)
         # A queued call has no worker; a sent or running one has the worker that holds it.
         if state is CallState.QUEUED:
             require(worker is None, self)
@@ -173,6 +192,120 @@ class CallRecord:
 
     def __repr__(self) -> str:
         return f"<call {self.id} {self.tool} {self._state.value}>"
+
+
+#: Outcome by its value: a dict lookup, not ``Outcome(value)`` (an Enum call) per result.
+OUTCOME_OF: Final[dict[str, Outcome]] = {o._value_: o for o in Outcome}
+_NO_CONTEXT: Final[MappingProxyType[str, Any]] = MappingProxyType({})  # read-only: one serves all
+_new = object.__new__
+
+
+def _setters(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
+    return {f"_set_{n}": cls.__dict__[n].__set__ for n in names}  # (slot descriptors)
+
+
+_RESULT_FIELDS: Final = tuple(Result.__slots__)
+_TIMELINE_FIELDS: Final = tuple(Timeline.__slots__)
+# A Result and a Timeline are frozen dataclasses: their __init__ takes keywords and sets each
+# field through object.__setattr__. Built here from the facts, slot by slot (one unrolled
+# function each, made once): a third of the cost; every field is set, as __init__ would.
+_BUILD_SRC = "\n".join(
+    (
+        "def _fill_result(r, " + ", ".join(_RESULT_FIELDS) + "):",
+        *(f"    _set_{n}(r, {n})" for n in _RESULT_FIELDS),
+        "def _timeline(times):",
+        "    t = _new(Timeline)",
+        "    get = times.get",
+        *(f"    _set_{n}(t, get({n!r}))" for n in _TIMELINE_FIELDS),
+        "    return t",
+    )
+)
+_ns: dict[str, Any] = {
+    "_new": _new,
+    "Timeline": Timeline,
+    **_setters(Result, _RESULT_FIELDS),
+    **_setters(Timeline, _TIMELINE_FIELDS),
+}
+exec(_BUILD_SRC, _ns)
+_fill_result: Final[Callable[..., None]] = _ns["_fill_result"]
+_timeline: Final[Callable[[dict[str, float]], Timeline]] = _ns["_timeline"]
+
+
+def _build_result(call: CallRecord) -> Result:
+    """call's Result (and Timeline), from the facts it settled with: either an outcome and
+    the settle's keywords (``Settlement.settle``), or a worker's result message with what the
+    supervisor added (``Settlement.settle_received``); each ends with its cause, rung, worker
+    pid and step times as they were at the settlement."""
+    facts = call._facts
+    assert facts is not None
+    r: Result = _new(Result)
+    head = facts[0]
+    if type(head) is tuple:  # a worker's result: (its fields), value, leftovers killed, peak
+        (outcome, error, error_name, body_started, context, extras), value, killed, peak = (
+            head,
+            *facts[1:4],
+        )
+        output = extras.get("output")
+        _fill_result(
+            r,
+            call.id,
+            call.tool,
+            OUTCOME_OF[outcome],
+            value,
+            error,
+            error_name,
+            body_started,
+            facts[4],
+            facts[5],
+            facts[6],
+            None,
+            None,
+            MappingProxyType(context) if context else _NO_CONTEXT,
+            killed,
+            extras.get("cpu_time"),
+            extras.get("max_rss"),
+            peak,
+            None if output is None else output.decode("utf-8", "replace"),
+            extras.get("output_dropped", 0),
+            None,
+            _timeline(facts[7]),
+            call._index,
+        )
+        return r
+    (outcome, value, error, error_name, body_started, context, exit_status, killed) = facts[:8]
+    (cpu_time, max_rss, output, dropped, tree_max_memory, tree_verified) = facts[8:14]
+    exit_code = exit_signal = None
+    if exit_status is not None:
+        if exit_status < 0:
+            exit_signal = -exit_status
+        else:
+            exit_code = exit_status
+    _fill_result(
+        r,
+        call.id,
+        call.tool,
+        outcome,
+        value,
+        error,
+        error_name,
+        body_started,
+        facts[14],
+        facts[15],
+        facts[16],
+        exit_code,
+        exit_signal,
+        MappingProxyType(dict(context)) if context else _NO_CONTEXT,
+        killed,
+        cpu_time,
+        max_rss,
+        tree_max_memory,
+        output,
+        dropped,
+        tree_verified,
+        _timeline(facts[17]),
+        call._index,
+    )
+    return r
 
 
 class GroupRecord:

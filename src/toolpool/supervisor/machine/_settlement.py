@@ -8,7 +8,6 @@ import logging
 import signal
 from bisect import bisect_left
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any, Final
 
 from ...core import (
@@ -19,7 +18,7 @@ from ...core import (
 )
 from ...protocol import ProtocolViolation, ResultMessage, decode_from_worker, unpack_value
 from ...sandbox._profile import _human as _human_size
-from .._results import Result, Rung, Timeline
+from .._results import Rung
 from ._actions import Settled
 from ._records import (
     KILLED_TEXT,
@@ -37,7 +36,6 @@ __all__ = ("Settlement", "describe_exit")
 _log = logging.getLogger("toolpool.supervisor")
 
 _new_settled = tuple.__new__
-_NO_CONTEXT: Final[Mapping[str, Any]] = MappingProxyType({})  # read-only: one serves all
 _DISPOSED: Final = CancelCause("disposed")
 _SETTLED, _NO_RUNG = CallState.SETTLED, Rung.NONE  # (bound once: see _dispatch.py)
 RUNG_ORDER: Final = {Rung.NONE: 0, Rung.CANCEL: 1, Rung.SIGTERM: 2, Rung.SIGKILL: 3}
@@ -68,52 +66,75 @@ class Settlement:
         tree_max_memory: int | None = None,
         tree_verified: bool | None = None,
     ) -> None:
-        """Settle ``call`` with this result, once (later attempts change nothing)."""
-        if call._result is not None:
+        """Settle ``call`` with this result, once (later attempts change nothing). Its
+        :class:`Result` is built when someone first reads it (``CallRecord._result``)."""
+        if call._facts is not None:
             return
+        w = call._worker
+        call._facts = (
+            outcome,
+            value,
+            error,
+            error_name,
+            body_started,
+            context,
+            exit_status,
+            leftovers_killed,
+            cpu_time,
+            max_rss,
+            output,
+            output_dropped,
+            tree_max_memory,
+            tree_verified,
+            call._cause,
+            call._rung,
+            w.pid if w is not None else None,
+            call._times,
+        )
+        self._settled(call, outcome._value_, body_started)
+
+    def settle_received(
+        self,
+        call: CallRecord,
+        fields: tuple[Any, ...],
+        value: Any,
+        tree_max_memory: int | None,
+        leftovers_killed: int = 0,
+    ) -> None:
+        """Settle ``call`` with its worker's result (``received``): ``fields`` are the
+        message's (outcome, error, error_name, body_started, context, extras)."""
+        if call._facts is not None:
+            return
+        w = call._worker
+        call._facts = (
+            fields,
+            value,
+            leftovers_killed,
+            tree_max_memory,
+            call._cause,
+            call._rung,
+            w.pid if w is not None else None,
+            call._times,
+        )
+        self._settled(call, fields[0], fields[3])
+
+    def _settled(self, call: CallRecord, kind: str, body_started: bool | None) -> None:
+        """call just got its facts: the bookkeeping of its settlement."""
         s = self.s
         now = s.now
-        call._times["settled"] = now
+        times = call._times  # (the facts hold it: its Timeline is what it says now)
+        times["settled"] = now
+        call._times = times.copy()  # (a stamp written after, by a ladder, changes no Result)
         w = call._worker
-        exit_code = exit_signal = None
-        if exit_status is not None:
-            if exit_status < 0:
-                exit_signal = -exit_status
-            else:
-                exit_code = exit_status
-        call._result = Result(
-            call_id=call.id,
-            tool=call.tool,
-            outcome=outcome,
-            value=value,
-            error=error,
-            error_name=error_name,
-            body_started=body_started,
-            cause=call._cause,
-            rung=call._rung,
-            worker_pid=w.pid if w is not None else None,
-            exit_code=exit_code,
-            exit_signal=exit_signal,
-            context=MappingProxyType(dict(context)) if context else _NO_CONTEXT,
-            leftovers_killed=leftovers_killed,
-            cpu_time=cpu_time,
-            max_rss=max_rss,
-            output=output,
-            output_dropped=output_dropped,
-            tree_max_memory=tree_max_memory,
-            tree_verified=tree_verified,
-            timeline=Timeline(**call._times),
-            index=call._index,
-        )
         if call._queued:
             self._forget_queued(call)
-        call.advance(_SETTLED)
-        kind = outcome._value_  # (not .value: a property, on the hot path)
+        # (call.advance, inline: a call not settled may always settle; its facts were
+        # None, so it was not.)
+        call._state = _SETTLED
         owner = call._owner
         tally = owner.tally if owner is not None else s.tallies[""]
-        tally.settled[kind] += 1
-        tally.by_tool[call.tool, kind] += 1
-        latency = now - call._times["submitted"]  # (Buckets.observe, inline: the hot path)
+        tally.by_tool[call.tool, kind] += 1  # (and so ``settled``, by outcome)
+        latency = now - times["submitted"]  # (Buckets.observe, inline: the hot path)
         buckets = tally.settle_latency
         buckets.counts[bisect_left(buckets.bounds, latency)] += 1
         buckets.sum += latency
@@ -122,7 +143,7 @@ class Settlement:
         del s.calls[call.id]
         if call._group is not None:
             call._group._calls.discard(call)
-        if w is not None and call in w.calls:
+        if w is not None and w.calls and (w.calls[0] is call or call in w.calls):
             if body_started is not False:
                 w.served += 1  # (ProviderSpec.max_calls)
             if w.calls[0] is call:
@@ -197,7 +218,7 @@ class Settlement:
         queue = p.queue
         while queue:
             call = queue[0]
-            if call._result is not None:
+            if call._facts is not None:
                 queue.popleft()
                 continue
             self.settle(  # (drops it from the queue)
@@ -221,36 +242,33 @@ class Settlement:
     def received(self, w: WorkerRecord, msg: ResultMessage) -> functools.partial[None]:
         """w's next result arrived (or was found in its ledger): check it is for the call w
         runs, and return what settles that call."""
+        return functools.partial(self.settle_received, *self.received_facts(w, msg))
+
+    def received_facts(
+        self, w: WorkerRecord, msg: ResultMessage
+    ) -> tuple[CallRecord, tuple[Any, ...], Any, int | None]:
+        """:meth:`received`, as the arguments of :meth:`settle_received` (no partial made
+        where the caller settles at once)."""
         call = w.call
         if call is None or call.id != msg.call_id:
             raise ProtocolViolation(f"result for call {msg.call_id}, which it does not own")
         w.results += 1
-        max_frame = self.s.config.max_frame
-        value = unpack_value(msg.value, max_frame) if msg.value is not None else None
-        now = call._times["returned"] = self.s.now
+        value = msg.value
+        if value is not None:
+            # (b"\xc0" is msgpack's nil: a body that returned None, no unpack needed)
+            value = None if value == b"\xc0" else unpack_value(value, self.s.config.max_frame)
+        times = call._times
+        now = times["returned"] = self.s.now
+        extras = msg.extras
         if msg.body_started:
             call._started = True
-            started_at = msg.extras.get("started_at")
-            if "started" not in call._times and started_at is not None:
+            started_at = extras.get("started_at")
+            if started_at is not None and "started" not in times:
                 # The worker's monotonic clock is this one (same host); trust it only within
                 # what this side saw.
-                call._times["started"] = min(max(started_at, call._times["dispatched"]), now)
-        output = msg.extras.get("output")
-        return functools.partial(
-            self.settle,
-            call,
-            Outcome(msg.outcome),
-            value=value,
-            error=msg.error,
-            error_name=msg.error_name,
-            body_started=msg.body_started,
-            context=msg.context,
-            cpu_time=msg.extras.get("cpu_time"),
-            max_rss=msg.extras.get("max_rss"),
-            output=None if output is None else output.decode("utf-8", "replace"),
-            output_dropped=msg.extras.get("output_dropped", 0),
-            tree_max_memory=self.s.probe.peak(w.wid),
-        )
+                times["started"] = min(max(started_at, times["dispatched"]), now)
+        fields = (msg.outcome, msg.error, msg.error_name, msg.body_started, msg.context, extras)
+        return call, fields, value, self.s.probe.peak(w.wid)
 
     # ------------------------------------------------------------------ post-mortem
 

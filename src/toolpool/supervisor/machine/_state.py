@@ -87,14 +87,13 @@ class Tally:
         "kill_to_reaped",
         "replaced",
         "settle_latency",
-        "settled",
         "started",
         "submitted",
         "unkillable",
     )
 
     def __init__(self) -> None:
-        self.settled: collections.Counter[str] = collections.Counter()
+        #: Settled calls by (tool, outcome); by outcome alone: ``settled``, summed when read.
         self.by_tool: collections.Counter[tuple[str, str]] = collections.Counter()
         self.escalations: collections.Counter[str] = collections.Counter()
         self.submitted = 0
@@ -104,11 +103,18 @@ class Tally:
         self.settle_latency = Buckets(SETTLE_LATENCY_BOUNDS)
         self.kill_to_reaped = Buckets(KILL_TO_REAPED_BOUNDS)
 
+    @property
+    def settled(self) -> collections.Counter[str]:
+        """Settled calls by outcome (from ``by_tool``: one count per settle, not two)."""
+        out: collections.Counter[str] = collections.Counter()
+        for (_, kind), n in self.by_tool.items():
+            out[kind] += n
+        return out
+
     @classmethod
     def total(cls, tallies: list[Tally]) -> Tally:
         out = cls()
         for t in tallies:
-            out.settled.update(t.settled)
             out.by_tool.update(t.by_tool)
             out.escalations.update(t.escalations)
             out.submitted += t.submitted
@@ -207,6 +213,9 @@ class State:
         self.wids = itertools.count(1)
         self.out: list[Action] = []
         self.dispatch_due = False
+        # When the last submit came whose dispatch pass is owed (``Machine._pay_owed``), or
+        # None: nothing owed.
+        self.owed_at: float | None = None
         # (when, seq, kind, key): call deadlines by id, so that a settled call (and its
         # result) is not kept alive until its deadline; hello deadlines; respawns; wakes.
         self.timers: list[tuple[float, int, str, int]] = []
