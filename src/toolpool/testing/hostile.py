@@ -40,7 +40,10 @@ def _sleeper_argv(marker: str, seconds: float) -> list[str]:
 
 
 def _daemonize(marker: str, seconds: float) -> None:
-    """Start a grandchild that escapes with setsid and a double fork."""
+    """Start a grandchild that escapes with setsid and a double fork; return once it runs
+    the sleeper (its cmdline bears ``marker``): the end of a close-on-exec pipe closes at its
+    exec, so whoever looks for the marker after the call finds it."""
+    ready, done = os.pipe()  # (both close on exec)
     pid = os.fork()
     if pid == 0:
         try:
@@ -49,6 +52,12 @@ def _daemonize(marker: str, seconds: float) -> None:
                 os.execvp(sys.executable, _sleeper_argv(marker, seconds))
         finally:
             os._exit(0)
+    os.close(done)
+    try:
+        while os.read(ready, 1):
+            pass  # (nothing is written: EOF once every copy of ``done`` is closed)
+    finally:
+        os.close(ready)
     os.waitpid(pid, 0)
 
 
