@@ -660,7 +660,10 @@ class Pool(Channels, Hosting):
         record._index = index
         call = self._faces[record.id] = Call(self._port, record)
         core.submit(record, timeout=timeout, now=now)
-        self._owe_pump()  # (one pump, soon, for a burst of submits)
+        if record._facts is None:
+            self._owe_pump()  # (one pump, soon, for a burst of submits)
+        else:
+            self._pump()  # settled at once (its group was cancelled): done on return
         return call
 
     def _cancel(self, call: Call, cause: CancelCause, *, force: bool) -> None:
