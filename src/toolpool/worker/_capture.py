@@ -12,6 +12,8 @@ import os
 import sys
 import threading
 
+from ._threads import start_thread_blocking_signals
+
 __all__ = ("OutputCapture",)
 
 
@@ -38,8 +40,6 @@ class OutputCapture:
         self._pending = b""
         self._marker: bytes | None = None
         self._marker_seen = threading.Event()
-        from ._server import start_thread_blocking_signals
-
         # Signals are the main thread's, where the tools run (see _server).
         start_thread_blocking_signals(self._drain, "toolpool-output")
 

@@ -39,7 +39,6 @@ import contextlib
 import os
 import resource
 import select
-import signal
 import threading
 import time
 import traceback
@@ -69,6 +68,7 @@ from ._machine import (
     WorkerAction,
     WorkerMachine,
 )
+from ._threads import start_thread_blocking_signals
 
 if TYPE_CHECKING:
     import mmap
@@ -87,11 +87,6 @@ TICK = 0.002
 #: After this long (seconds) without a call, the control thread stops looking.
 IDLE_AFTER = 0.05
 
-#: Signals the worker's other threads block, so that the main thread receives them (all
-#: but those a fault raises in the thread that faults).
-_FAULTS = {"SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGABRT", "SIGSYS"}
-ASYNC_SIGNALS = {s for s in signal.valid_signals() if getattr(s, "name", "") not in _FAULTS}
-
 #: This process's pid, read once and again in a child a fork makes (``os.register_at_fork``):
 #: a body's fork is noticed without a ``getpid`` per call.
 _pid = [os.getpid()]
@@ -102,18 +97,6 @@ def _forked() -> None:
 
 
 os.register_at_fork(after_in_child=_forked)
-
-
-def start_thread_blocking_signals(target: Callable[[], object], name: str) -> threading.Thread:
-    """Start a daemon thread that blocks every asynchronous signal from its first instruction
-    (it inherits the mask set here for the moment of its creation)."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, ASYNC_SIGNALS)
-    try:
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        thread.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    return thread
 
 
 class _Server:
