@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 
-from ._interrupts import EXIT_INTERRUPTED, Interrupts, say
 from .core import DEFAULT_GRACES, Graces, ToolpoolError, WorkerStartError
+from .supervisor._interrupts import EXIT_INTERRUPTED, Interrupts, say
 
 #: The reader of stdout went away: 128 + SIGPIPE, as a shell reports a tool that SIGPIPE ended.
 EXIT_BROKEN_PIPE = 141

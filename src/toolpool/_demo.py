@@ -15,9 +15,9 @@ from typing import TextIO
 import anyio
 import psutil
 
-from ._interrupts import Interrupts
 from .core import Graces
 from .supervisor import Call, Pool, Result
+from .supervisor._interrupts import Interrupts
 
 EXAMPLES = "toolpool.testing.examples:registry"
 CANCEL_GRACE = 0.3
@@ -111,7 +111,7 @@ async def run_demo(out: TextIO, *, interrupts: Interrupts | None = None) -> int:
     """Run the demo, print the report to ``out``; return a process exit code.
 
     With ``interrupts`` (the command line's), Ctrl-C stops the scenarios (see
-    ``toolpool._interrupts``)."""
+    ``toolpool.supervisor._interrupts``)."""
     stop = interrupts or Interrupts(GRACES)
     print(
         f"toolpool demo: 3 workers, cancel_grace={CANCEL_GRACE}s, term_grace={TERM_GRACE}s\n",

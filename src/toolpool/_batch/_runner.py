@@ -24,10 +24,10 @@ import anyio.abc
 import anyio.lowlevel
 import anyio.to_thread
 
-from .._interrupts import EXIT_INTERRUPTED
 from ..core import DEFAULT_GRACES, Graces, Outcome, ToolpoolError, UnknownToolError
 from ..sandbox import Profile
 from ..supervisor import Call, Group, Pool
+from ..supervisor._interrupts import EXIT_INTERRUPTED
 from ._input import SKIPPED, Id, Job, PipeLines, Rejection, count_lines, read_jobs
 from ._output import ResultsFile, call_record, rejection_record
 

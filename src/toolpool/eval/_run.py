@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Final, final
 
 from .._batch import SKIPPED, Batch, BatchOptions, Job, Rejection, Summary, Watcher, encode
-from .._interrupts import say as _say_on_stderr
 from ..core import DEFAULT_GRACES, Outcome
 from ..sandbox import Profile
+from ..supervisor._interrupts import say as _say_on_stderr
 from ._child import readable_dirs
 from ._formats import Problem, TaskId, mean_pass_at_k, open_lines, pass_at_k, read_problems
 

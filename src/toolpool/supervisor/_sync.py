@@ -19,9 +19,9 @@ from typing import Any, Protocol, TypeVar, final
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from .._interrupts import STOPPED_LINE, killing_line, say, stopping_line
 from ..core import PoolClosedError, validate_cause
 from ._calls import Call
+from ._interrupts import STOPPED_LINE, killing_line, say, stopping_line
 from ._map import MapIterator, SyncMapIterator, _Feed, drive_sync_map, thread_safe_caller
 from ._pool import Pool, port_of
 from ._results import Progress, Result, Statistics

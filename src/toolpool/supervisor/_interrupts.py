@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from .core import Graces
+from ..core import Graces
 
 if TYPE_CHECKING:
-    from .supervisor._calls import Call
-    from .supervisor._results import Result
+    from ._calls import Call
+    from ._results import Result
 
 __all__ = ("EXIT_INTERRUPTED", "Interrupts", "killing_line", "say", "stopping_line")
 
