@@ -2,8 +2,10 @@
 that sleeps ignoring its signal (``soak_tools.stubborn``), which ``cancel(force=True)``
 kills 20 ms after its submission; the
 time from the request to the result (as the awaiting caller sees it), over ``--trials`` kills
-of one pool; and the time from that result to the next no-op's, which runs on the killed
-worker's replacement (the pool has one worker).
+of one pool; the time from that result to the next no-op's, which runs on the killed
+worker's replacement (the pool has one worker); and from the kill's request to that no-op's
+result (what moved from the first interval to the second shows there: the replacement's
+start, since issue 26 step 5 paid after the caller runs).
 
 Part 3 of ``run.py`` opens a new pool for each trial; this measures the kill path alone, away
 from a pool's start. Before/after: run it with each checkout's ``src`` on ``PYTHONPATH``,
@@ -25,15 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toolpool
 
 
-async def measure(trials: int) -> tuple[list[float], list[float]]:
+async def measure(trials: int) -> tuple[list[float], list[float], list[float]]:
     times: list[float] = []
     nexts: list[float] = []
+    totals: list[float] = []
+    start = settled = 0.0
     async with toolpool.Pool("soak_tools:registry", workers=1) as pool:
         for _ in range(trials):
             settled = time.monotonic()
             await pool.call("quick")
             if times:
                 nexts.append((time.monotonic() - settled) * 1e3)
+                totals.append((time.monotonic() - start) * 1e3)
             call = pool.submit("stubborn", {"seconds": 600.0})
             await anyio.sleep(0.02)  # a measurement, not a test: the body is running by then
             start = time.monotonic()
@@ -44,7 +49,8 @@ async def measure(trials: int) -> tuple[list[float], list[float]]:
         settled = time.monotonic()
         await pool.call("quick")
         nexts.append((time.monotonic() - settled) * 1e3)
-    return times, nexts
+        totals.append((time.monotonic() - start) * 1e3)
+    return times, nexts, totals
 
 
 def _line(what: str, values: list[float]) -> str:
@@ -59,9 +65,10 @@ def _line(what: str, values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=60)
-    times, nexts = anyio.run(measure, parser.parse_args().trials)
+    times, nexts, totals = anyio.run(measure, parser.parse_args().trials)
     print(f"{_line('forced kill -> settled, steady pool', times)} ({len(times)} kills)")
     print(_line("settled -> the next call's result (on the replacement)", nexts))
+    print(_line("forced kill -> the next call's result", totals))
 
 
 if __name__ == "__main__":
