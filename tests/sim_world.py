@@ -211,6 +211,12 @@ class World:
         self.unkillable_seen: set[int] = set()  # wids the core reported unkillable
         self.held_by_unkillable: set[int] = set()  # calls their unkillable worker held then
         self.awaiting_replacement: list[int] = []  # reported unkillable in this flush
+        self.owed_replacement: list[int] = []  # ... whose replacement is owed
+        # The core is handling a worker's message or the reaper's report of a worker: the
+        # turn of the shell's loop that settles its calls and wakes their callers, where no
+        # worker starts (a replacement is owed, started at a timer on a later turn).
+        self.in_io_turn = False
+        self.owed_across: collections.Counter[str] = collections.Counter()
         self.heard_at: dict[int, float] = {}  # wid -> when its hello or heartbeat was read
         self.progress_at_settle: dict[int, Any] = {}  # call id -> its progress then
         self.provider_of: dict[int, ProviderRecord] = {}  # wid -> whose tools it runs
@@ -224,28 +230,43 @@ class World:
                 break
             for action in actions:
                 self.perform(action)
-        core = self.core
-        # An unkillable worker's slot is filled at once: its provider is back at its size
-        # (its replacement may have started earlier, with another worker's).
+        self.in_io_turn = False
+        # An unkillable worker's slot is filled at once, or owed (then checked once the
+        # loop turned): its provider is back at its size (its replacement may have started
+        # earlier, with another worker's).
         for wid in self.awaiting_replacement:
-            p = core.workers[wid].provider if wid in core.workers else None
-            if p is None or core.closing or core.broken is not None or not core.reaper_up:
-                continue
-            if p.live and p.broken is None:
-                # Its slot, not counting it: workers that serve or will, and those being
-                # killed for a call (each replaced once its tree is gone).
-                slots = sum(
-                    1
-                    for x in core.workers.values()
-                    if x.provider is p
-                    and not x.gone
-                    and not x.draining
-                    and x.state not in (WorkerState.UNKILLABLE, WorkerState.RETIRING)
-                )
-                if slots < p.spec.size + p.spec.warm_spares:
-                    raise Violation(f"unkillable worker {wid} not replaced ({p!r})")
+            p = self.core.workers[wid].provider if wid in self.core.workers else None
+            if p is not None and p.replace_owed:
+                self.owed_replacement.append(wid)
+            else:
+                self.check_replaced(wid)
         self.awaiting_replacement.clear()
         self.check()
+
+    def check_replaced(self, wid: int) -> None:
+        """Unkillable worker ``wid``'s provider is back at its size."""
+        core = self.core
+        p = core.workers[wid].provider if wid in core.workers else None
+        if p is None or core.closing or core.broken is not None or not core.reaper_up:
+            return
+        if p.live and p.broken is None:
+            # Its slot, not counting it: workers that serve or will, and those being
+            # killed for a call (each replaced once its tree is gone).
+            slots = sum(
+                1
+                for x in core.workers.values()
+                if x.provider is p
+                and not x.gone
+                and not x.draining
+                and x.state not in (WorkerState.UNKILLABLE, WorkerState.RETIRING)
+            )
+            if slots < p.spec.size + p.spec.warm_spares:
+                raise Violation(f"unkillable worker {wid} not replaced ({p!r})")
+
+    def fire_timers(self) -> None:
+        """The shell's clock task: ``timer`` at every deadline due."""
+        self.in_io_turn = False
+        self.core.timer(self.now)
 
     def perform(self, action: Any) -> None:
         core = self.core
@@ -261,6 +282,13 @@ class World:
             if w.alive and action.pids != (w.pid,):
                 raise Violation(f"unkillable worker {w.wid}: pids {action.pids}, not {w.pid}")
         elif isinstance(action, Spawn):
+            if self.closing:
+                raise Violation(f"worker {action.wid} started after the pool's close")
+            if self.in_io_turn:
+                raise Violation(
+                    f"worker {action.wid} started in the turn that handled a worker's message "
+                    "or death, before the callers it woke run"
+                )
             w = FakeWorker(action.wid, action.secret, next(self.pids))
             w.lingers = self.rng.random() < 0.2
             self.workers[action.wid] = w
@@ -367,6 +395,20 @@ class World:
             # (a cancel, from the submitting task itself, may come first: the core pays the
             # owed pass inside that event).
             self.flush()
+        owed = [p.name for p in core.s.providers_by_id.values() if p.replace_owed]
+        if owed and kind in CALLER_STEPS:
+            # The callers a death woke run before the clock task: they may submit, cancel,
+            # add, remove or resize providers while the replacement is owed.
+            self.owed_across[kind] += 1
+        elif owed or (core.timers and core.timers[0][0] <= self.now):
+            # The loop turned: the clock task ran the timers due (a replacement owed).
+            self.fire_timers()
+            self.flush()
+            if any(p.replace_owed for p in core.s.providers_by_id.values()):
+                raise Violation("a replacement still owed after the loop turned")
+            for wid in self.owed_replacement:
+                self.check_replaced(wid)
+            self.owed_replacement.clear()
         live = [w for w in self.workers.values() if w.wid in core.workers]
         if kind == "submit":
             _, tool_i, group_i, timeout_i = step
@@ -476,7 +518,7 @@ class World:
                 self.flush()
             self.now += dt
             self.beat()
-            core.timer(self.now)
+            self.fire_timers()
         if kind == "submit":
             # As the shell does: a submit's dispatch pass is owed, run by the next flush or
             # first thing in the next event (so a burst of submits is dispatched in one pass).
@@ -522,6 +564,7 @@ class World:
     def deliver(self, w: FakeWorker) -> None:
         """The core reads w's next message (the shell does so whenever it arrives)."""
         msg = w.outbox.popleft()
+        self.in_io_turn = True
         if isinstance(msg, Hello | Heartbeat):
             self.heard_at[w.wid] = self.now
         self.core.message(w.wid, msg, self.now, peer_pid=w.pid)
@@ -551,6 +594,7 @@ class World:
                     )
             return
         w = self.workers[report[1]]
+        self.in_io_turn = True
         if kind in ("exited", "gone", "orphan_gone"):
             while w.outbox:
                 self.deliver(w)
@@ -834,6 +878,8 @@ class World:
         """Close the pool and run the world until every worker is gone; then check that
         every call settled and no worker is left."""
         core = self.core
+        if any(p.replace_owed for p in core.s.providers_by_id.values()):
+            self.owed_across["close"] += 1
         self.closing = True
         core.closing = True
         for group in self.groups:
@@ -909,11 +955,14 @@ class World:
                     progressed = True
             self.now += 0.01 if progressed else 0.1  # a body that never ends: time goes on
             self.beat()
-            core.timer(self.now)
+            self.fire_timers()
             self.flush()
 
 
 # --------------------------------------------------------------------------- schedules
+
+#: Steps a caller's task takes (it may run before the clock task, in the loop's next turn).
+CALLER_STEPS = frozenset(("submit", "cancel", "gcancel", "provider"))
 
 STEP_KINDS = (
     ("submit", 8),
@@ -1026,6 +1075,8 @@ class Summary:
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
     unkillable: int = 0  # workers found unkillable
     held_then_settled: int = 0  # calls an unkillable worker held, settled once its tree went
+    # Steps a caller took (and closes) while a replacement was owed, by kind.
+    owed_across: collections.Counter[str] = field(default_factory=collections.Counter)
     failures: list[tuple[int, str, list[tuple[Any, ...]]]] = field(default_factory=list)
 
 
@@ -1048,6 +1099,7 @@ def simulate(
         summary.steps += world.steps
         summary.settled += len(world.settled)
         summary.unkillable += len(world.unkillable_seen)
+        summary.owed_across.update(world.owed_across)
         summary.held_then_settled += sum(
             1 for c in world.calls if c.id in world.held_by_unkillable and c._result is not None
         )
@@ -1064,6 +1116,8 @@ def report(summary: Summary) -> str:
         "outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.outcomes.items())),
         f"unkillable workers {summary.unkillable}, their calls settled once their trees went "
         f"{summary.held_then_settled}",
+        "steps while a replacement was owed: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(summary.owed_across.items())),
     ]
     for seed, error, shrunk in summary.failures:
         lines.append(f"FAILED seed {seed}: {error}")

@@ -39,6 +39,9 @@ async def test_crashes_kills_and_replacements_are_logged(
         assert died.levelno == logging.WARNING
         assert died.worker_pid == first  # type: ignore[attr-defined]
         assert "status 3" in died.why  # type: ignore[attr-defined]
+        # Its replacement starts on the loop's next turn, once this caller ran: a call it
+        # serves comes after.
+        assert (await pool.call("noop")).ok
         assert _lines(caplog, "replaced by worker")
 
         call = pool.submit("busy_loop", {"seconds": 60})  # only SIGTERM stops it
@@ -60,6 +63,23 @@ async def test_crashes_kills_and_replacements_are_logged(
             assert (await stubborn).outcome is Outcome.KILLED
         (kill,) = _lines(caplog, "SIGKILL to its tree")
         assert kill.rung == "sigkill"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_caller_of_a_lost_call_runs_before_its_workers_replacement_starts(
+    anyio_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 26 step 5: the turn of the loop that settles a dead worker's call wakes its
+    caller and starts nothing; the replacement starts on a later turn (its log line says
+    when)."""
+    caplog.set_level(logging.INFO, logger="toolpool")
+    async with toolpool.Pool(EXAMPLES, workers=1) as pool:
+        for n in range(3):
+            crashed = await pool.call("crash", {"code": 3})
+            assert crashed.outcome is Outcome.WORKER_LOST
+            assert len(_lines(caplog, "replaced by worker")) == n  # not yet
+            assert (await pool.call("noop")).ok  # on the replacement
+            assert len(_lines(caplog, "replaced by worker")) == n + 1
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

@@ -26,6 +26,10 @@ def test_the_core_keeps_its_promises_over_random_schedules() -> None:
     # settled only once their trees went.
     assert summary.unkillable > 0
     assert summary.held_then_settled > 0
+    # ... and replacements owed (a caller woken first) across a caller's steps: submits,
+    # provider changes (add, remove, resize), and the pool's close.
+    for kind in ("submit", "provider", "close"):
+        assert summary.owed_across[kind] > 0, summary.owed_across
 
 
 @pytest.mark.timeout(60)
@@ -78,6 +82,24 @@ def test_the_unkillable_checks_can_fail(
     assert summary.failures
     seed, error, shrunk = summary.failures[0]
     assert caught in error, error
+    with pytest.raises(sim_world.Violation):
+        sim_world.run(seed, shrunk)
+
+
+@pytest.mark.timeout(120)
+def test_a_replacement_started_in_the_turn_that_woke_its_caller_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A core that starts a dead worker's replacement at once (in the turn of the shell's
+    loop that settles its call, before the caller runs) is caught; the shrunk schedule
+    replays it."""
+    from toolpool.supervisor.machine._fleet import Fleet
+
+    monkeypatch.setattr(Fleet, "owe_replacement", lambda self, p, w=None: self.top_up(p))
+    summary = sim_world.simulate(0, 100, 300)
+    assert summary.failures
+    seed, error, shrunk = summary.failures[0]
+    assert "before the callers it woke run" in error, error
     with pytest.raises(sim_world.Violation):
         sim_world.run(seed, shrunk)
 

@@ -56,7 +56,12 @@ def _lose_ready_worker(core: Machine, clock: Clock) -> None:
     core.exited(w.wid, -9, 0, clock.now)
     core.gone(w.wid, clock.now)
     actions = core.flush(clock.now)
-    assert any(isinstance(a, Spawn) for a in actions)  # replaced at once: no start failure
+    # Replaced at once (no start failure, no back-off), on the loop's next turn: the turn
+    # that settles its call starts nothing; the timer it armed is due now.
+    assert not any(isinstance(a, Spawn) for a in actions)
+    assert core.next_deadline() == clock.now
+    core.timer(clock.now)
+    assert any(isinstance(a, Spawn) for a in core.flush(clock.now))
 
 
 @pytest.mark.timeout(10)

@@ -589,6 +589,11 @@ class Channels:
             if delay > 0:
                 with anyio.move_on_after(delay):
                     await self._clock_wake.wait()
+            else:
+                # Due already (a replacement owed, armed by the event that settled its dead
+                # worker's calls, perhaps this task's own): whoever that event woke runs first.
+                # (anyio.sleep(0) is that checkpoint; anyio.lowlevel: one module more to load)
+                await anyio.sleep(0)  # noqa: ASYNC115
             now = time.monotonic()
             if now >= self._clock_at:
                 core.timer(now)

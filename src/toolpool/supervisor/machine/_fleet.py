@@ -83,6 +83,34 @@ class Fleet:
         missing = p.spec.size + p.spec.warm_spares - self.serving_count(p)
         return [self.spawn(p) for _ in range(missing)]
 
+    def owe_replacement(self, p: ProviderRecord, w: WorkerRecord | None = None) -> None:
+        """p is a worker short (w died, became unkillable, or retired having served its
+        ``max_calls``): its replacement starts at a ``replace`` timer due now, so on a later
+        turn of the shell's loop than the one that settles w's call: its caller runs first
+        (a ``Spawn`` costs the shell milliseconds). What p's size is then decides: a close,
+        drain, removal or resize meanwhile leaves nothing (more) to start."""
+        if w is not None:
+            p.replacing.append((w.wid, w.pid))
+        if not p.replace_owed:
+            p.replace_owed = True
+            self.s.arm(self.s.now, "replace", p.id)
+
+    def replace_due(self, provider_id: int) -> None:
+        """The loop turned since p's replacement was owed: start what p lacks now."""
+        p = self.s.providers_by_id.get(provider_id)
+        if p is None or not p.replace_owed:
+            return
+        p.replace_owed = False
+        replaced, p.replacing = p.replacing, []
+        for (wid, pid), new in zip(replaced, self.top_up(p), strict=False):
+            _log.info(
+                "worker %s (pid %s) replaced by worker %s",
+                wid,
+                pid,
+                new.wid,
+                extra={"worker_pid": pid},
+            )
+
     # ------------------------------------------------------------------ events in
 
     def add(self, name: str, spec: ProviderSpec) -> ProviderRecord:

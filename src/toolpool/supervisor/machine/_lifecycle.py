@@ -281,7 +281,7 @@ class Lifecycle:
         if w.calls:
             self.s.probe.reset_peak(w.wid)  # the next call's peak starts about now
         if self.dispatch.resume(w):  # (_resume, inline)
-            self.fleet.top_up(w.provider)
+            self.fleet.owe_replacement(w.provider)
 
     def _on_withdrawn(self, w: WorkerRecord, msg: Withdrawn) -> None:
         # Only a queued call it was asked to give back (a cancel, a recall, a shutdown).
@@ -397,9 +397,9 @@ class Lifecycle:
 
     def _resume(self, w: WorkerRecord) -> None:
         """w serves on (:meth:`Dispatch.resume`); one that retired having served its
-        ``max_calls`` is replaced at once."""
+        ``max_calls`` is replaced (on the loop's next turn: ``Fleet.owe_replacement``)."""
         if self.dispatch.resume(w):
-            self.fleet.top_up(w.provider)
+            self.fleet.owe_replacement(w.provider)
 
     def on_cleaned(self, w: WorkerRecord, count: int) -> None:
         pending, w.pending = w.pending, None
@@ -552,14 +552,7 @@ class Lifecycle:
         if w.start_failed:
             self.s.arm(self.s.now + min(2.0, 0.05 * 2**p.start_failures), "respawn", p.id)
         else:
-            for new in self.fleet.top_up(p):
-                _log.info(
-                    "worker %s (pid %s) replaced by worker %s",
-                    w.wid,
-                    w.pid,
-                    new.wid,
-                    extra={"worker_pid": w.pid},
-                )
+            self.fleet.owe_replacement(p, w)  # (after the caller it settled runs)
 
     def respawn_due(self, provider_id: int) -> None:
         p = self.s.providers_by_id.get(provider_id)

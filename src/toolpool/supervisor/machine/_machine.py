@@ -341,6 +341,8 @@ class Machine:
                     self.ladder.cancel(call, _TIMEOUT, force=False)
             elif kind == "hello":
                 self.lifecycle.hello_overdue(key)
+            elif kind == "replace":
+                self.fleet.replace_due(key)
             elif kind == "respawn":
                 self.lifecycle.respawn_due(key)
             elif kind == "drain":
@@ -442,6 +444,10 @@ class Machine:
         for p in s.draining:
             require(p.state is ProviderState.DRAINING, p)
             p.check()
+        for p in s.providers_by_id.values():
+            # A replacement owed is a timer armed (the shell's clock fires it).
+            if p.replace_owed:
+                require(any(t[2] == "replace" and t[3] == p.id for t in s.timers), p)
         for tool, p in s.owner.items():
             # A tool resolves to an active provider that has it, and is in the catalog.
             require(s.providers.get(p.name) is p and tool in p.catalog and tool in s.catalog, tool)

@@ -404,6 +404,11 @@ class ProviderRecord:
         self.tally: Any = None  # its statistics (_state.Tally), shared by its generations
         self.autoscale: Autoscale | None = None
         self.scale_armed = False  # its autoscaler's next look is in the timers
+        # A replacement's start is owed: a "replace" timer due when it was owed is in the
+        # timers (the shell fires it on a later turn of its loop, after whoever the death or
+        # the last call woke); ``replacing``: the (wid, pid) replaced, for the log.
+        self.replace_owed = False
+        self.replacing: list[tuple[int, int | None]] = []
 
     def advance(self, to: ProviderState) -> None:
         """Move to ``to``, if ``PROVIDER_MOVES`` lets it (staying is no move); else
