@@ -181,7 +181,9 @@ class Machine:
         if self.s.owed_at is not None:
             self._pay_owed()
         self.s.now = now
-        for call in sorted(group._calls, key=lambda c: c._state is not CallState.QUEUED):
+        # Queued first, then in the order they were submitted (not the set's: it follows
+        # memory addresses, and a simulated seed must replay the same in any process).
+        for call in sorted(group._calls, key=lambda c: (c._state is not CallState.QUEUED, c.id)):
             self.ladder.cancel(call, cause, force=False)
 
     # ------------------------------------------------------------------ workers
