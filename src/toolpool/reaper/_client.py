@@ -17,7 +17,6 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Final
 
 import anyio
@@ -59,7 +58,7 @@ EXIT_KILL_WAIT: Final = 2.0
 SUPERVISOR_CLEANUP_BUDGET: Final = 2.0
 
 #: The reaper process's script, run by path (``python -P SCRIPT SUPERVISOR_PID FD``).
-SCRIPT: Final = Path(__file__).with_name("_main.py")
+SCRIPT: Final = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_main.py")
 
 
 #: What the reaper keeps of the supervisor's environment. Workers forked from it inherit its

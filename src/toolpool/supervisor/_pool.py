@@ -13,14 +13,13 @@ from __future__ import annotations
 import logging
 import math
 import os
-import secrets
-import tempfile
+import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType, TracebackType
-from typing import Any, Final, Literal, final
+from typing import TYPE_CHECKING, Any, Final, Literal, final
 
 import anyio
 import anyio.abc
@@ -55,7 +54,6 @@ from ._hosting import (
     prepare_layers,
     provider_options,
 )
-from ._map import MapIterator
 from ._observe import abandon_unsettled, close_report, snapshot, wait_settled_or_stuck
 from ._results import CallableDict, CallableList, ContainmentReport, Result, Statistics
 from ._workerio import (
@@ -73,6 +71,9 @@ from .machine import (
     CallState,
     Machine,
 )
+
+if TYPE_CHECKING:
+    from ._map import MapIterator  # imported by map(): only map's callers pay for it
 
 __all__ = (
     "EXIT_TOOLS_FAILED",
@@ -94,9 +95,35 @@ _NO_ARGS: Final = pack_value({}, "args")  # (args=None: packed once)
 _PARENT: Final = CancelCause("parent")
 
 
+def _make_dir(prefix: str) -> str:
+    """``tempfile.mkdtemp(prefix=prefix)`` (a new 0700 directory in the temporary directory)
+    without importing :mod:`tempfile` (with shutil, bz2, lzma, random: 3-9 ms of a first pool's
+    start): tried in ``$TMPDIR``, ``$TEMP``, ``$TMP``, /tmp, /var/tmp, /usr/tmp, as
+    ``tempfile.gettempdir`` does; else, or where a program set ``tempfile.tempdir``,
+    ``tempfile.mkdtemp`` itself decides (and raises what it raises)."""
+    loaded = sys.modules.get("tempfile")
+    if loaded is None or getattr(loaded, "tempdir", None) is None:
+        places = [os.environ.get(name) for name in ("TMPDIR", "TEMP", "TMP")]
+        for place in (*places, "/tmp", "/var/tmp", "/usr/tmp"):
+            if not place:
+                continue
+            for _ in range(10):
+                path = os.path.join(os.path.abspath(place), prefix + os.urandom(6).hex())
+                try:
+                    os.mkdir(path, 0o700)
+                except FileExistsError:
+                    continue
+                except OSError:
+                    break
+                return path
+    import tempfile
+
+    return tempfile.mkdtemp(prefix=prefix)
+
+
 def _new_secret() -> bytes:
     """A new worker's secret, which its hello must carry."""
-    return secrets.token_hex(32).encode()
+    return os.urandom(32).hex().encode()  # secrets.token_hex(32), without its imports
 
 
 @final
@@ -313,7 +340,7 @@ class Pool(Channels, Hosting):
         await self._tg.__aenter__()
         core = self._core
         try:
-            self._dir = tempfile.mkdtemp(prefix="toolpool-")
+            self._dir = _make_dir("toolpool-")
             # Workers running as other uids must reach their own socket file (theirs, 0600
             # once they own it) by name; nobody but the supervisor can list the directory.
             os.chmod(self._dir, 0o700 if self.profile.user is None else 0o711)
@@ -503,6 +530,8 @@ class Pool(Channels, Hosting):
         mapping of arguments each, as :meth:`submit` takes; for a tool with one parameter,
         its value), pulled lazily: an async iterator; see :class:`toolpool.MapIterator`.
         Bad arguments raise here, at once."""
+        from ._map import MapIterator
+
         return MapIterator(
             self._port,
             tool,
