@@ -12,6 +12,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from toolpool.serve import (
     load_config,
     parse_tools,
 )
+from toolpool.testing.hostile import shared_tmp
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -300,9 +302,32 @@ def test_status_scale_reload_drain_over_the_control_socket(
     assert "no service at" in done.stderr
 
 
-def test_control_socket_refuses_another_uid(control: str, services: list[ServeProcess]) -> None:
+def test_control_socket_refuses_another_uid(services: list[ServeProcess]) -> None:
     if os.getuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv (util-linux) to run a client as another uid")
+    base = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    reach = subprocess.run(
+        [*base, sys.executable, "-c", "import toolpool.serve"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=serve_env(),
+    )
+    if reach.returncode != 0:  # (a checkout under a private /tmp, say)
+        pytest.skip(f"uid 65534 cannot import this checkout's toolpool: {reach.stderr[-200:]}")
+    # Every directory above the service's own is open to uid 65534 (pytest's tmp_path may
+    # not be: /tmp is 0700 on some machines), so what keeps it out is that 0700 directory.
+    parent = tempfile.mkdtemp(prefix="toolpool-ctl-", dir=shared_tmp())
+    os.chmod(parent, 0o755)
+    control = os.path.join(parent, "ctl", "control.sock")
+    try:
+        _refuses_another_uid(services, control, base)
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def _refuses_another_uid(services: list[ServeProcess], control: str, base: list[str]) -> None:
     s = start(services, control, "serve_tools:registry", "--workers", "1")
     s.wait_serving()
     client = (
@@ -312,7 +337,6 @@ def test_control_socket_refuses_another_uid(control: str, services: list[ServePr
         "except s.ControlError as exc:\n"
         "    print(exc)\n"
     )
-    base = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
     # Without privileges, the 0700 directory keeps uid 65534 out...
     done = subprocess.run(
         [*base, sys.executable, "-c", client, control],
