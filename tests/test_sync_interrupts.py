@@ -166,3 +166,62 @@ def test_ctrl_c_while_an_executor_waits_at_shutdown(tmp_path: Path) -> None:
     assert lines.count("KeyboardInterrupt") == 1, err
     for pid in workers:
         assert _gone(pid)
+
+
+# Ctrl-C at the worst moment: while the main thread holds the lock of a future the loop's
+# thread completes (``concurrent.futures`` takes them one by one). A KeyboardInterrupt raised
+# there left it held, and the loop's thread waited on it for ever. A trace function sends the
+# SIGINT at the first line the main thread runs holding one (and notes it; if none ever
+# does, a thread sends the SIGINT 5 s after the with block is left, and the test fails).
+HELD_LOCK_SCRIPT = """
+import os, signal, sys, threading, time, toolpool, executor_funcs
+sent = threading.Event()
+
+def send() -> None:
+    if not sent.is_set():
+        sent.set()
+        os.kill(os.getpid(), signal.SIGINT)
+
+def tracer(frame, event, arg):
+    if sent.is_set():
+        sys.settrace(None)
+        return None
+    if any(f._condition._is_owned() for f in fs):
+        with open(os.path.join(DIR, "held"), "w") as f:
+            f.write(frame.f_code.co_name)
+        send()
+    return tracer
+
+def fallback() -> None:
+    time.sleep(5)
+    send()
+
+with toolpool.Executor(2, cancel_grace=600, term_grace=600) as ex:
+    paths = [os.path.join(DIR, str(i)) for i in range(2)]
+    fs = [ex.submit(executor_funcs.started_then_sleep, path, 600) for path in paths]
+    while not all(os.path.exists(path) for path in paths):
+        time.sleep(0.01)
+    print(*ex._sync._pool.worker_pids, flush=True)
+    threading.Thread(target=fallback, daemon=True).start()
+    sys.settrace(tracer)
+"""
+
+
+def test_ctrl_c_while_the_main_thread_holds_a_futures_lock(tmp_path: Path) -> None:
+    proc, workers = _start(f"DIR = {str(tmp_path)!r}\n" + textwrap.dedent(HELD_LOCK_SCRIPT))
+    try:
+        line = _stderr_line(proc)
+        assert line.startswith("toolpool: interrupted: closing the pool, waiting for 2 calls"), line
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        _end(proc)
+    lines = err.strip().splitlines()
+    assert lines[0] == "toolpool: interrupted again: killing 2 calls now (SIGKILL)", err
+    assert lines[1].startswith("toolpool: stopped: every call settled"), err
+    assert lines[-1] == "KeyboardInterrupt", err
+    assert proc.returncode in (-signal.SIGINT, 130, 1)
+    for pid in workers:
+        assert _gone(pid)
+    # (The premise: the SIGINT came while the main thread held a future's lock, not late.)
+    assert (tmp_path / "held").exists(), "the main thread never held a future's lock"

@@ -29,8 +29,9 @@ from typing import Any, Final, Generic, Literal, TypeVar, final
 from ..core import ConfigurationError, Outcome, PoolClosedError, ToolpoolError
 from ..sandbox import Profile
 from ._calls import Call
+from ._interrupts import STOPPED_LINE, say
 from ._results import Result
-from ._sync import SyncCall, SyncPool
+from ._sync import SyncCall, SyncPool, _InterruptedClose
 
 __all__ = (
     "CallFailed",
@@ -394,9 +395,9 @@ class Executor(concurrent.futures.Executor):
         closer = self._closer
         if first and wait:
             try:
-                closer.close_after(closer.outstanding(cancel_futures))
-            except KeyboardInterrupt:  # stop the calls, as a SyncPool does after Ctrl-C
-                closer.close(interrupted=True)
+                closer.close_after(cancel_futures)
+            except KeyboardInterrupt:  # (one before the wait took Ctrl-C over: stop the calls)
+                closer.close(interrupted=True)  # (nothing to do if the wait closed the pool)
                 raise
         elif first:
             closer.close_later(closer.outstanding(cancel_futures))
@@ -611,18 +612,34 @@ class _Closer:
         except PoolClosedError:
             return []
 
-    def close_after(self, pending: list[concurrent.futures.Future[Any]]) -> None:
-        """Wait for ``pending``, then close."""
+    def close_after(
+        self,
+        cancel_futures: bool,
+        pending: list[concurrent.futures.Future[Any]] | None = None,
+    ) -> None:
+        """Wait for ``pending`` (by default the futures :meth:`outstanding` now), then close.
+        Where Ctrl-C lands (the main thread) it closes at once instead, as a SyncPool does:
+        the calls are cancelled, a second Ctrl-C kills them, and one KeyboardInterrupt is
+        raised once all is gone. Nothing raises in the middle of the wait (see
+        ``_InterruptedClose``)."""
         self.started = True
-        concurrent.futures.wait(pending)
-        self.close(interrupted=False)
+        sync = self._sync
+        with _InterruptedClose(sync) as interrupts:
+            if pending is None:
+                pending = self.outstanding(cancel_futures)
+            interrupts.wait(pending)
+            with self._lock:
+                sync._close_under()
+        if interrupts.count:
+            say(STOPPED_LINE)
+            raise KeyboardInterrupt
 
     def close_later(self, pending: list[concurrent.futures.Future[Any]]) -> None:
         if self._thread is not None or self._sync._closed:
             return
         self.started = True
         self._thread = threading.Thread(
-            target=self.close_after, args=(pending,), name="toolpool-executor-shutdown"
+            target=self.close_after, args=(False, pending), name="toolpool-executor-shutdown"
         )
         self._thread.start()
 
@@ -637,5 +654,15 @@ class _Closer:
 
     def at_exit(self) -> None:
         if not self.started:
-            self.close_after(self.outstanding(False))
+            if _ended_by_ctrl_c():  # (it escaped the executor's own handling: stop the calls)
+                self.close(interrupted=True)
+            else:
+                self.close_after(False)
         self.join()
+
+
+def _ended_by_ctrl_c() -> bool:
+    """At the interpreter's exit: a script (not an interactive session) ends because of a
+    KeyboardInterrupt it did not catch (Python keeps the exception it printed)."""
+    interactive = sys.flags.interactive or hasattr(sys, "ps1")
+    return not interactive and isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)

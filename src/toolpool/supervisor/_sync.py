@@ -116,15 +116,22 @@ class SyncCall(concurrent.futures.Future[Result]):
 
 
 class _InterruptedClose:
-    """Ctrl-C while a :class:`SyncPool` closes, in the main thread: the first says what the
-    close waits for, the next kill the calls at once; none raises in the middle of the
-    close (``SyncPool._close`` raises one KeyboardInterrupt once it is over)."""
+    """Ctrl-C while a :class:`SyncPool` closes (or an executor waits to close it), in the
+    main thread: the first says what the close waits for, the next kill the calls at once.
+
+    Its handler never raises: a KeyboardInterrupt raised between two bytecodes of a wait can
+    leave a future's lock taken (``concurrent.futures.wait`` takes them one by one), and the
+    loop's thread, which completes that future, waits for it for ever. The handler only
+    counts, and wakes :meth:`wait` through the loop (a lock taken in a signal handler could
+    be the one the interrupted code holds). ``SyncPool._close`` raises one KeyboardInterrupt
+    once the close is over."""
 
     def __init__(self, sync: SyncPool) -> None:
         self._sync = sync
         self.count = 0
         self._previous: Any = None
         self._installed = False
+        self._wake: Callable[[], object] | None = None
 
     def __enter__(self) -> _InterruptedClose:
         if threading.current_thread() is threading.main_thread():
@@ -139,23 +146,48 @@ class _InterruptedClose:
     def __exit__(self, *exc: object) -> None:
         if self._installed:
             signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
 
     def _on_sigint(self, signum: int, frame: object) -> None:
         self.interrupted()
+
+    def wait(self, pending: list[concurrent.futures.Future[Any]]) -> None:
+        """Until every future in ``pending`` is done, or Ctrl-C is pressed (then
+        :attr:`count` is not 0)."""
+        if not pending:
+            return
+        if not self._installed:  # (no Ctrl-C lands in this thread: wait as anyone would)
+            concurrent.futures.wait(pending)
+            return
+        woken = threading.Event()
+
+        def one_done(_: object) -> None:
+            if all(f.done() for f in pending):
+                woken.set()
+
+        self._wake = woken.set
+        for future in pending:
+            future.add_done_callback(one_done)
+        if not self.count:  # (one before the wake was set: nothing would wake us)
+            woken.wait()
 
     def interrupted(self) -> None:
         self.count += 1
         sync = self._sync
         pool = sync._pool
+        call_soon = sync._call_soon
         if self.count == 1:
             say(stopping_line(pool.graces, sync._waiting_for()))
+            if self._wake is not None and call_soon is not None:
+                try:
+                    call_soon(self._wake)  # (never blocks: this may run in a signal handler)
+                except RuntimeError:  # the loop stopped: nothing waits for it
+                    pass
             return
-        portal = sync._portal
-        if portal is None:
+        if sync._portal is None:
             return
         calls = [c for c in list(pool._core.calls.values()) if c._facts is None]
         say(killing_line(len(calls)))
-        call_soon = sync._call_soon
         if call_soon is not None:
             try:
                 call_soon(sync._kill_all)  # (never blocks: this may run in a signal handler)
@@ -224,23 +256,30 @@ class SyncPool:
         if self._portal is None:
             self._closed = True
             return
-        portal = self._portal
         with _InterruptedClose(self) as interrupts:
             if interrupted:
                 interrupts.interrupted()
-            try:
-                self._pool_cm.__exit__(None, None, None)
-            finally:
-                try:
-                    portal.call(self._closed_down)  # settled: none may wait on a stopped loop
-                finally:
-                    self._portal_cm.__exit__(None, None, None)
-                    self._portal = None
-                    self._closed = True
+            self._close_under()
         if interrupts.count:
             say(STOPPED_LINE)
             if not interrupted:  # (interrupted: the caller's KeyboardInterrupt goes on)
                 raise KeyboardInterrupt
+
+    def _close_under(self) -> None:
+        """Close, under the Ctrl-C handling of the caller's :class:`_InterruptedClose`."""
+        if self._portal is None:
+            self._closed = True
+            return
+        portal = self._portal
+        try:
+            self._pool_cm.__exit__(None, None, None)
+        finally:
+            try:
+                portal.call(self._closed_down)  # settled: none may wait on a stopped loop
+            finally:
+                self._portal_cm.__exit__(None, None, None)
+                self._portal = None
+                self._closed = True
 
     def _waiting_for(self) -> str:
         """What the close waits for, in a few words (read from any thread: a snapshot)."""
