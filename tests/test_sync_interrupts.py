@@ -143,27 +143,37 @@ with toolpool.Executor(2, cancel_grace=600, term_grace=600) as ex:
     while not all(os.path.exists(path) for path in paths):
         time.sleep(0.01)
     print(*ex._sync._pool.worker_pids, flush=True)
+    AFTER_START()
 # (leaving the with block: shutdown(wait=True) waits for the calls)
 """
 
 
 def test_ctrl_c_while_an_executor_waits_at_shutdown(tmp_path: Path) -> None:
-    proc, workers = _start(f"DIR = {str(tmp_path)!r}\n" + textwrap.dedent(EXECUTOR_SCRIPT))
+    _interrupt_executor(f"DIR = {str(tmp_path)!r}\nAFTER_START = lambda: None\n", first=True)
+
+
+def _interrupt_executor(prelude: str, *, first: bool) -> None:
+    """Run ``EXECUTOR_SCRIPT`` after ``prelude``: Ctrl-C (``first``; else the script sends
+    its own), which says what the close waits for, then Ctrl-C again, which kills."""
+    proc, workers = _start(prelude + textwrap.dedent(EXECUTOR_SCRIPT))
     try:
-        proc.send_signal(signal.SIGINT)
-        first = _stderr_line(proc)
-        assert first.startswith(
+        if first:
+            proc.send_signal(signal.SIGINT)
+        line = _stderr_line(proc)
+        assert line.startswith(
             "toolpool: interrupted: closing the pool, waiting for 2 calls (2 running, 0 queued)."
-        ), first + proc.communicate(timeout=60)[1]
+        ), line + proc.communicate(timeout=60)[1]
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
         _end(proc)
     lines = err.strip().splitlines()
     assert lines[0] == "toolpool: interrupted again: killing 2 calls now (SIGKILL)", err
-    assert lines[1].startswith("toolpool: stopped: every call settled")
+    assert lines[1].startswith("toolpool: stopped: every call settled"), err
     assert err.count("Traceback (most recent call last)") == 1, err
     assert lines.count("KeyboardInterrupt") == 1, err
+    assert lines[-1] == "KeyboardInterrupt", err
+    assert proc.returncode in (-signal.SIGINT, 130, 1)
     for pid in workers:
         assert _gone(pid)
 
@@ -173,8 +183,8 @@ def test_ctrl_c_while_an_executor_waits_at_shutdown(tmp_path: Path) -> None:
 # there left it held, and the loop's thread waited on it for ever. A trace function sends the
 # SIGINT at the first line the main thread runs holding one (and notes it; if none ever
 # does, a thread sends the SIGINT 5 s after the with block is left, and the test fails).
-HELD_LOCK_SCRIPT = """
-import os, signal, sys, threading, time, toolpool, executor_funcs
+HELD_LOCK_PRELUDE = """
+import os, signal, sys, threading, time
 sent = threading.Event()
 
 def send() -> None:
@@ -196,32 +206,13 @@ def fallback() -> None:
     time.sleep(5)
     send()
 
-with toolpool.Executor(2, cancel_grace=600, term_grace=600) as ex:
-    paths = [os.path.join(DIR, str(i)) for i in range(2)]
-    fs = [ex.submit(executor_funcs.started_then_sleep, path, 600) for path in paths]
-    while not all(os.path.exists(path) for path in paths):
-        time.sleep(0.01)
-    print(*ex._sync._pool.worker_pids, flush=True)
+def AFTER_START() -> None:
     threading.Thread(target=fallback, daemon=True).start()
     sys.settrace(tracer)
 """
 
 
 def test_ctrl_c_while_the_main_thread_holds_a_futures_lock(tmp_path: Path) -> None:
-    proc, workers = _start(f"DIR = {str(tmp_path)!r}\n" + textwrap.dedent(HELD_LOCK_SCRIPT))
-    try:
-        line = _stderr_line(proc)
-        assert line.startswith("toolpool: interrupted: closing the pool, waiting for 2 calls"), line
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        _end(proc)
-    lines = err.strip().splitlines()
-    assert lines[0] == "toolpool: interrupted again: killing 2 calls now (SIGKILL)", err
-    assert lines[1].startswith("toolpool: stopped: every call settled"), err
-    assert lines[-1] == "KeyboardInterrupt", err
-    assert proc.returncode in (-signal.SIGINT, 130, 1)
-    for pid in workers:
-        assert _gone(pid)
+    _interrupt_executor(f"DIR = {str(tmp_path)!r}\n" + HELD_LOCK_PRELUDE, first=False)
     # (The premise: the SIGINT came while the main thread held a future's lock, not late.)
     assert (tmp_path / "held").exists(), "the main thread never held a future's lock"
