@@ -29,7 +29,6 @@ from typing import Any, Final, Generic, Literal, TypeVar, final
 from ..core import ConfigurationError, Outcome, PoolClosedError, ToolpoolError
 from ..sandbox import Profile
 from ._calls import Call
-from ._interrupts import STOPPED_LINE, say
 from ._results import Result
 from ._sync import SyncCall, SyncPool, _InterruptedClose
 
@@ -630,9 +629,7 @@ class _Closer:
             interrupts.wait(pending)
             with self._lock:
                 sync._close_under()
-        if interrupts.count:
-            say(STOPPED_LINE)
-            raise KeyboardInterrupt
+        interrupts.over()
 
     def close_later(self, pending: list[concurrent.futures.Future[Any]]) -> None:
         if self._thread is not None or self._sync._closed:

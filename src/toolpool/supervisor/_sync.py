@@ -171,6 +171,14 @@ class _InterruptedClose:
         if not self.count:  # (one before the wake was set: nothing would wake us)
             woken.wait()
 
+    def over(self, *, raise_: bool = True) -> None:
+        """Once the close is over (the handler restored): after Ctrl-C, say so, and raise one
+        KeyboardInterrupt (``raise_``; else the caller's own goes on)."""
+        if self.count:
+            say(STOPPED_LINE)
+            if raise_:
+                raise KeyboardInterrupt
+
     def interrupted(self) -> None:
         self.count += 1
         sync = self._sync
@@ -260,10 +268,7 @@ class SyncPool:
             if interrupted:
                 interrupts.interrupted()
             self._close_under()
-        if interrupts.count:
-            say(STOPPED_LINE)
-            if not interrupted:  # (interrupted: the caller's KeyboardInterrupt goes on)
-                raise KeyboardInterrupt
+        interrupts.over(raise_=not interrupted)  # (interrupted: the caller's goes on)
 
     def _close_under(self) -> None:
         """Close, under the Ctrl-C handling of the caller's :class:`_InterruptedClose`."""
