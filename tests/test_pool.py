@@ -1067,6 +1067,59 @@ async def test_a_workers_fatal_read_only_after_its_tree_is_reported_gone_still_c
     assert "ModuleNotFoundError" in message, message
 
 
+async def test_a_workers_own_connection_is_known_even_if_its_watch_starts_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker connects before the supervisor's task that watches its socket runs (a
+    busy loop, a slow machine): its connection is still its own, and its drop is noticed as
+    a drop, never logged as a stranger's. (The watch used to attach to the socket when it
+    started, and missed the worker's accept.) The reaper is held stopped meanwhile, so the
+    drop can only be learnt from the socket."""
+    import logging
+
+    import toolpool.supervisor._pool as pool_module
+
+    watch = pool_module.Pool._watch_disconnect
+    connected = anyio.Event()
+    dropped = anyio.Event()
+    records: list[logging.LogRecord] = []
+
+    async def late_watch(pool: Any, io: Any) -> None:
+        await connected.wait()
+        await watch(pool, io)
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+            if "connection dropped" in record.getMessage():
+                dropped.set()
+
+    monkeypatch.setattr(pool_module.Pool, "_watch_disconnect", late_watch)
+    seen = Seen(logging.DEBUG)
+    logger = logging.getLogger("toolpool")
+    logger.addHandler(seen)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        async with running_pool(EXAMPLES) as pool:
+            assert (await pool.call("echo", {"value": 1})).value == 1  # connected, served
+            connected.set()
+            reaper = psutil.Process(pool.reaper_pid)
+            (pid,) = pool.worker_pids
+            reaper.suspend()
+            try:
+                os.kill(pid, signal.SIGKILL)
+                with anyio.fail_after(20):
+                    await dropped.wait()
+            finally:
+                reaper.resume()
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(level)
+    strangers = [r.getMessage() for r in records if "stranger" in r.getMessage()]
+    assert not strangers, strangers
+
+
 async def test_reaper_client_close_while_its_event_pump_is_woken() -> None:
     # The pool's own pieces, driven directly (a last resort: no public hook reaches this
     # timing). The pool does the same: ReaperClient.run() in its task group, then aclose().

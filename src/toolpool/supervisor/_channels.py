@@ -214,6 +214,8 @@ class Channels:
             argv += ["--heartbeat", repr(self.heartbeat)]
         if options.allow_background:
             argv.append("--allow-background")
+        # Watched before the worker can connect: its accept is the first event.
+        io.monitor = io.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._reaper.spawn(
             wid,
             argv,
@@ -293,7 +295,8 @@ class Channels:
         before any tool code runs; a PAIR socket refuses a second peer while it has one). A
         stranger that connects and leaves cannot get the worker killed.
         """
-        monitor = io.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        monitor, io.monitor = io.monitor, None  # (ours to close from now on)
+        assert monitor is not None
         own_fd: int | None = None
         fd = fd_of(monitor)
         try:

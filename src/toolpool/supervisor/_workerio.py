@@ -59,6 +59,7 @@ class WorkerIO:
         "ledger_fd",
         "members_fd",
         "members_file",
+        "monitor",
         "peak_fd",
         "procs",
         "scopes",
@@ -84,6 +85,10 @@ class WorkerIO:
         self.scratch: str | None = None  # its working directory
         self.cleanup: list[str] = []  # what to remove once its tree is gone
         self.scopes: list[anyio.CancelScope] = []
+        # Its socket's connection events, watched from before the worker starts (an accept
+        # missed would make its own connection look like a stranger's); the watch takes it
+        # (and closes it), so it is left here only if the watch never ran.
+        self.monitor: zmq.Socket[bytes] | None = None
 
     def close_files(self) -> None:
         """Close its files and end its tasks (the reader closes the socket as it ends)."""
@@ -104,11 +109,14 @@ class WorkerIO:
                 self.sock.disable_monitor()
             except zmq.ZMQError:
                 pass
-            try:
-                anyio.notify_closing(fd_of(self.sock))
-            except Exception:
-                pass
-            self.sock.close(linger=0)
+            for sock in (self.monitor, self.sock):
+                if sock is None or sock.closed:
+                    continue
+                try:
+                    anyio.notify_closing(fd_of(sock))
+                except Exception:
+                    pass
+                sock.close(linger=0)
 
 
 def open_worker(
