@@ -19,16 +19,15 @@ from __future__ import annotations
 import math
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any, Final
 
+from .._tempdir import make_temp_dir
 from . import _wire
 
 __all__ = (
@@ -84,7 +83,7 @@ class Zygote:
     samples. Started at once; :meth:`fork` waits for it to be ready the first time."""
 
     def __init__(self) -> None:
-        self.directory = tempfile.mkdtemp(prefix="toolpool-eval-")
+        self.directory = make_temp_dir("toolpool-eval-")
         """The children's working directory (the only one they may write to)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -174,7 +173,7 @@ class Zygote:
             for name in names:
                 path = os.path.join(self.directory, name)
                 if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, onerror=_writable_and_again)
+                    _rmtree(path, _writable_and_again)
                 else:
                     os.unlink(path)
             return not os.listdir(self.directory)
@@ -204,7 +203,7 @@ def _writable_and_again(function: Any, path: str, _info: Any) -> None:
     if function is os.rmdir or function is os.unlink:
         function(path)
     else:  # (scandir, open: the walk itself) once more, from here
-        shutil.rmtree(path, onerror=_give_up)
+        _rmtree(path, _give_up)
 
 
 def _give_up(_function: Any, _path: str, info: Any) -> None:
@@ -213,7 +212,7 @@ def _give_up(_function: Any, _path: str, info: Any) -> None:
 
 def _remove(directory: str) -> None:
     try:
-        shutil.rmtree(directory, onerror=_writable_and_again)
+        _rmtree(directory, _writable_and_again)
     except OSError:
         pass
 
@@ -440,3 +439,9 @@ def kill_new_processes(before: set[int]) -> bool:
             return True
         if time.monotonic() > give_up:
             return False
+
+
+def _rmtree(path: str, onerror: Any) -> None:
+    import shutil  # (here: it imports bz2, lzma... a worker needs it only once it cleans)
+
+    shutil.rmtree(path, onerror=onerror)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
@@ -25,6 +24,7 @@ import anyio
 import anyio.abc
 import zmq
 
+from .._tempdir import make_temp_dir
 from ..core import (
     DEFAULT_GRACES,
     CancelCause,
@@ -93,32 +93,6 @@ _log = logging.getLogger("toolpool.supervisor")
 _DISPOSED: Final = CancelCause("disposed")
 _NO_ARGS: Final = pack_value({}, "args")  # (args=None: packed once)
 _PARENT: Final = CancelCause("parent")
-
-
-def _make_dir(prefix: str) -> str:
-    """``tempfile.mkdtemp(prefix=prefix)`` (a new 0700 directory in the temporary directory)
-    without importing :mod:`tempfile` (with shutil, bz2, lzma, random: 3-9 ms of a first pool's
-    start): tried in ``$TMPDIR``, ``$TEMP``, ``$TMP``, /tmp, /var/tmp, /usr/tmp, as
-    ``tempfile.gettempdir`` does; else, or where a program set ``tempfile.tempdir``,
-    ``tempfile.mkdtemp`` itself decides (and raises what it raises)."""
-    loaded = sys.modules.get("tempfile")
-    if loaded is None or getattr(loaded, "tempdir", None) is None:
-        places = [os.environ.get(name) for name in ("TMPDIR", "TEMP", "TMP")]
-        for place in (*places, "/tmp", "/var/tmp", "/usr/tmp"):
-            if not place:
-                continue
-            for _ in range(10):
-                path = os.path.join(os.path.abspath(place), prefix + os.urandom(6).hex())
-                try:
-                    os.mkdir(path, 0o700)
-                except FileExistsError:
-                    continue
-                except OSError:
-                    break
-                return path
-    import tempfile
-
-    return tempfile.mkdtemp(prefix=prefix)
 
 
 def _new_secret() -> bytes:
@@ -340,7 +314,7 @@ class Pool(Channels, Hosting):
         await self._tg.__aenter__()
         core = self._core
         try:
-            self._dir = _make_dir("toolpool-")
+            self._dir = make_temp_dir("toolpool-")
             # Workers running as other uids must reach their own socket file (theirs, 0600
             # once they own it) by name; nobody but the supervisor can list the directory.
             os.chmod(self._dir, 0o700 if self.profile.user is None else 0o711)
