@@ -199,7 +199,7 @@ def _reaper_killed_as_it_starts(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, 
     """From now on the pool's next `kills` reapers are SIGKILLed as they start, before they
     say they are ready (a real process, a real signal); later ones start as ever. Returns the
     file that counts the starts."""
-    from toolpool.reaper import _client
+    from toolpool.reaper import _ahead
 
     starts = tmp_path / "starts"
     starts.write_text("")
@@ -210,10 +210,10 @@ def _reaper_killed_as_it_starts(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, 
         "    f.write('x')\n"
         f"if os.path.getsize({str(starts)!r}) <= {kills}:\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        f"real = {str(_client.SCRIPT)!r}\n"
+        f"real = {str(_ahead.SCRIPT)!r}\n"
         "os.execv(sys.executable, [sys.executable, '-P', real, *sys.argv[1:]])\n"
     )
-    monkeypatch.setattr(_client, "SCRIPT", script)
+    monkeypatch.setattr(_ahead, "SCRIPT", script)
     return starts
 
 

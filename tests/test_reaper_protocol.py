@@ -383,7 +383,7 @@ def _garbling_reaper(
     """From now on the pool's reaper is the real one, but any report it sends that holds
     ``mark`` (its encoded bytes) is sent as ``garbage`` instead (``once``: the first such
     report of any of the pool's reapers, no other)."""
-    from toolpool.reaper import _client
+    from toolpool.reaper import _ahead
 
     script = tmp_path / "garbling_reaper.py"
     flag = tmp_path / "garbled"
@@ -397,9 +397,9 @@ def _garbling_reaper(
         f"            open({str(flag)!r}, 'w').close()\n"
         "    return real_send(self, data, *args)\n"
         "socket.socket.send = send\n"
-        f"runpy.run_path({str(_client.SCRIPT)!r}, run_name='__main__')\n"
+        f"runpy.run_path({str(_ahead.SCRIPT)!r}, run_name='__main__')\n"
     )
-    monkeypatch.setattr(_client, "SCRIPT", script)
+    monkeypatch.setattr(_ahead, "SCRIPT", script)
 
 
 @pytest.mark.anyio

@@ -1,7 +1,5 @@
 """``python -m toolpool``: the command line."""
 
-import sys
+from ._cli import console
 
-from ._cli import main
-
-sys.exit(main())
+console()

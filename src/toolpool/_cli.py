@@ -13,7 +13,7 @@ import shutil
 import sys
 import textwrap
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import anyio
 
@@ -964,13 +964,26 @@ def _put_cwd_on_path() -> None:
         sys.path.insert(0, cwd)
 
 
+def console() -> NoReturn:
+    """The ``toolpool`` command and ``python -m toolpool``: :func:`main`, then out, skipping
+    the interpreter's teardown once the command's work is over (``_exit.leave``)."""
+    from ._exit import leave
+
+    leave(main())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``toolpool`` command."""
+    """Entry point of the ``toolpool`` command (returns its exit status)."""
     ns = _parser().parse_args(argv)
     _put_cwd_on_path()
     try:
         with _logging_to_stderr(ns.log_level):
-            status = _run(ns)
+            if ns.command == "eval" or (ns.command == "batch" and not ns.server):
+                _reaper_ahead(ns)
+            try:
+                status = _run(ns)
+            finally:
+                _no_reaper_ahead()
         sys.stdout.flush()  # (a reader gone away shows here, not as a traceback at exit)
         return status
     except BrokenPipeError:
@@ -985,6 +998,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         say("interrupted")
         return EXIT_INTERRUPTED
+
+
+def _reaper_ahead(ns: argparse.Namespace) -> None:
+    """Start the reaper of the command's one pool now: its start (an interpreter, then the
+    worker's modules) overlaps the imports the command has still to make (reaper/_ahead.py).
+    A profile that does not build, or a reaper that does not start, is left for the
+    command to report."""
+    from .reaper._ahead import preload_ahead, pythonpath, start_ahead
+
+    try:
+        allowlist = _profile(ns).env_allowlist
+        start_ahead()
+    except Exception:  # (the pool starts its own, and says what is wrong)
+        return
+    preload_ahead(pythonpath(os.environ, allowlist).split(os.pathsep))
+
+
+def _no_reaper_ahead() -> None:
+    """End the reaper started ahead if the command ended before its pool adopted it."""
+    ahead = sys.modules.get("toolpool.reaper._ahead")
+    if ahead is not None:
+        ahead.discard_ahead()
 
 
 def _run(ns: argparse.Namespace) -> int:

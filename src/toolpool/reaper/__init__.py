@@ -7,6 +7,35 @@ the worker's template modules it may fork from): it never imports the supervisor
 supervisor's side of it is :class:`ReaperClient`. The messages are in ``docs/protocol.md``.
 """
 
-from ._client import REAPER_ENV, SCRIPT, CloseReport, ReaperClient, finish_cleanup, reaper_env
+import importlib as _importlib
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from ._ahead import REAPER_ENV, SCRIPT, reaper_env
+    from ._client import CloseReport, ReaperClient, finish_cleanup
 
 __all__ = ("REAPER_ENV", "SCRIPT", "CloseReport", "ReaperClient", "finish_cleanup", "reaper_env")
+
+#: Where each name lives, imported on first access: a command starting its reaper ahead
+#: (``_ahead.py``) imports that module alone, not the client and what it needs.
+_EXPORTS: dict[str, str] = {
+    "REAPER_ENV": "_ahead",
+    "SCRIPT": "_ahead",
+    "reaper_env": "_ahead",
+    "CloseReport": "_client",
+    "ReaperClient": "_client",
+    "finish_cleanup": "_client",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    obj = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = obj
+    return obj
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -8,6 +8,7 @@ kills it and reports it lost, saying why).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -42,6 +43,7 @@ from ..protocol._reaper import (
     encode_reaper,
 )
 from ..sandbox import _remove
+from ._ahead import REAPER_ENV, SCRIPT, launch, reaper_env, take_ahead
 
 __all__ = ("REAPER_ENV", "SCRIPT", "CloseReport", "ReaperClient", "finish_cleanup", "reaper_env")
 
@@ -56,20 +58,6 @@ EXIT_KILL_WAIT: Final = 2.0
 #: Seconds the supervisor spends removing the pool's directory itself (when the reaper could
 #: not) before it leaves the rest to a background process.
 SUPERVISOR_CLEANUP_BUDGET: Final = 2.0
-
-#: The reaper process's script, run by path (``python -P SCRIPT SUPERVISOR_PID FD``).
-SCRIPT: Final = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_main.py")
-
-
-#: What the reaper keeps of the supervisor's environment. Workers forked from it inherit its
-#: initial environment block (``/proc/self/environ``, the stack), whatever ``os.environ`` they
-#: are given: nothing else of the supervisor's environment may be in it.
-REAPER_ENV: Final = ("PATH", "PYTHONPATH", "PYTHONHOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
-
-
-def reaper_env() -> dict[str, str]:
-    """The reaper's environment: :data:`REAPER_ENV` from the supervisor's, no more."""
-    return {name: os.environ[name] for name in REAPER_ENV if name in os.environ}
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,20 +121,21 @@ class ReaperClient:
         self.removing: set[str] = set()  # scratch directories it removes in the background
         self._removed: anyio.Event | None = None
 
-    async def start(self, timeout: float) -> None:
-        """Start the reaper process and wait for it to say it is ready."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            # A plain, fast fork+exec (no preexec_fn: zmq threads exist); not worth a thread.
-            self._proc = subprocess.Popen(  # noqa: ASYNC220
-                [sys.executable, "-P", str(SCRIPT), str(os.getpid()), str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                env=reaper_env(),
-            )
-        finally:
-            theirs.close()
+    async def start(self, timeout: float, preload: list[str] | None = None) -> None:
+        """Start the reaper process (or adopt the one started ahead: ``_ahead.py``), have
+        it import the worker's modules from ``preload`` (a path; None: not now), and wait for
+        it to say it is ready."""
+        ahead = take_ahead(preload)
+        if ahead is not None:
+            self._proc, ours = ahead.proc, ahead.sock
+            _log.debug("the reaper started ahead (pid %s) is this pool's", ahead.proc.pid)
+            if ahead.paths is not None:
+                preload = None  # asked already
+        else:
+            self._proc, ours = launch()
+        if preload is not None:  # (queued: read once it is ready)
+            with contextlib.suppress(OSError):  # gone: the wait below says so
+                ours.send(encode_reaper(PreloadCommand(tuple(preload))))
         ours.setblocking(False)
         self._sock = ours
         malformed: ProtocolViolation | None = None
@@ -304,11 +293,6 @@ class ReaperClient:
                 start,
             )
         )
-
-    def preload(self, paths: list[str]) -> None:
-        """Have the reaper import the worker's modules now (the template workers are forked
-        from), from ``paths`` (the workers' ``PYTHONPATH``); answered by ``preloaded``."""
-        self.send(PreloadCommand(tuple(paths)))
 
     def signal_tree(self, wid: int, sig: int) -> None:
         """Send ``sig`` to the worker and every descendant."""

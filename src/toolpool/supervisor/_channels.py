@@ -152,10 +152,10 @@ class Channels:
     async def _start_reaper(self) -> ReaperClient:
         # The pool's from the start: a close meanwhile closes it too (its process included).
         reaper = self._reaper = ReaperClient(self._on_reaper_event)
-        await reaper.start(self.start_timeout)
+        paths = None
         if self.start_method == "fork":  # the reaper imports while we set up the rest
             paths = worker_env(self._env, self.profile, None)["PYTHONPATH"].split(os.pathsep)
-            reaper.preload(paths)
+        await reaper.start(self.start_timeout, preload=paths)
         return reaper
 
     def _owned(self) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from collections.abc import Mapping
 from typing import Final
@@ -16,6 +15,7 @@ import zmq
 
 from .._transport import fd_of
 from ..protocol._ledger import LEDGER_SIZE, read_ledger, read_marks
+from ..reaper._ahead import pythonpath
 from ..sandbox import Profile, _remove
 from ..sandbox import _cgroups as cgroups
 from ..sandbox._cgroups import CgroupSet, others_listed
@@ -179,12 +179,10 @@ def worker_env(
     allowlist, with this process's ``sys.path`` as ``PYTHONPATH``."""
     out = dict(os.environ) if env is None else dict(env)
     allow = profile.env_allowlist
+    path = pythonpath(out, allow)
     if allow is not None:
         out = {k: out[k] for k in allow if k in out}
-    paths = [p or os.getcwd() for p in sys.path]
-    if out.get("PYTHONPATH"):
-        paths.append(out["PYTHONPATH"])
-    out["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    out["PYTHONPATH"] = path
     if scratch is not None:
         out["TMPDIR"] = scratch
         if allow is not None:

@@ -16,15 +16,15 @@ never returns. See docs/pool.md, "Starting workers".
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import os
 import sys
-import threading
 import traceback
 import types
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
+
+from .._exit import leave
 
 #: What a worker imports before it serves a call, other than the tools module.
 PRELOAD = (
@@ -108,21 +108,13 @@ def run(argv: Sequence[str], env: Mapping[str, str], base_path: Sequence[str]) -
         except BaseException:
             traceback.print_exc()
             code = 1
-        # What the interpreter does at exit: wait for non-daemon threads, run atexit.
-        getattr(threading, "_shutdown", lambda: None)()
-        atexit._run_exitfuncs()
     except BaseException:
         try:
             traceback.print_exc()
         except BaseException:
             pass
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException:
-                pass
-        os._exit(code)
+    # What the interpreter does at exit (non-daemon threads waited for, atexit), then out.
+    leave(code)
 
 
 def _exit_code(value: object) -> int:
