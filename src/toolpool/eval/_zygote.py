@@ -28,6 +28,7 @@ import time
 from typing import Any, Final
 
 from .._tempdir import make_temp_dir
+from ..sandbox._linux import children_of, read_proc
 from . import _wire
 
 __all__ = (
@@ -376,27 +377,16 @@ def below(root: int) -> dict[int, int]:
     stack = [root]
     while stack:
         pid = stack.pop()
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            for kid in kids:
-                if kid not in found:
-                    found[kid] = pid
-                    stack.append(kid)
+        for kid in children_of(pid) or ():
+            if kid not in found:
+                found[kid] = pid
+                stack.append(kid)
     return found
 
 
 def _parent(pid: int) -> int | None:
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        stat = read_proc(f"/proc/{pid}/stat")
     except OSError:
         return None
     return int(stat[stat.rindex(b")") + 2 :].split()[1])  # after "pid (comm) state"
