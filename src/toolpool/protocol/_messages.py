@@ -608,24 +608,33 @@ _EXTRAS: dict[Any, type] = {
 
 
 _new = object.__new__
-_RESULT_SLOTS: Final = tuple(ResultMessage.__slots__)
-_ns: dict[str, Any] = {f"_set_{n}": ResultMessage.__dict__[n].__set__ for n in _RESULT_SLOTS}
-_ns.update(_new=_new, ResultMessage=ResultMessage)
-exec(
-    "\n".join(
-        (
-            "def _result_message(" + ", ".join(_RESULT_SLOTS) + "):",
-            "    msg = _new(ResultMessage)",
-            *(f"    _set_{n}(msg, {n})" for n in _RESULT_SLOTS),
-            "    return msg",
-        )
-    ),
-    _ns,
-)
-#: A ResultMessage of its 9 checked fields, slot by slot (its frozen __init__ sets each
-#: through object.__setattr__: three times the cost, on the hot path).
-_result_message: Final[Callable[..., ResultMessage]] = _ns["_result_message"]
-del _ns
+
+
+def _slot_maker(cls: type) -> Callable[..., Any]:
+    """A maker of ``cls`` (a frozen dataclass with slots) from all its fields, slot by slot
+    (its frozen __init__ sets each through object.__setattr__: three times the cost, on the
+    hot path)."""
+    slots = tuple(cls.__slots__)  # type: ignore[attr-defined]
+    ns: dict[str, Any] = {f"_set_{n}": cls.__dict__[n].__set__ for n in slots}
+    ns.update(_new=_new, cls=cls)
+    exec(
+        "\n".join(
+            (
+                "def make(" + ", ".join(slots) + "):",
+                "    msg = _new(cls)",
+                *(f"    _set_{n}(msg, {n})" for n in slots),
+                "    return msg",
+            )
+        ),
+        ns,
+    )
+    return ns["make"]  # type: ignore[no-any-return]
+
+
+#: A ResultMessage of its 9 checked fields.
+_result_message: Final[Callable[..., ResultMessage]] = _slot_maker(ResultMessage)
+#: A CallMessage of its checked fields, its parts (the data) last.
+_call_message: Final[Callable[..., CallMessage]] = _slot_maker(CallMessage)
 
 
 def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> WorkerMessage:
@@ -763,12 +772,13 @@ def decode_from_supervisor(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) ->
             parts = _int_id(body[4], "parts")
             if not 1 <= parts <= MAX_PARTS:
                 raise ProtocolViolation(f"a call has 1 to {MAX_PARTS} parts, or no field for them")
-        return CallMessage(
+        return _call_message(
             _int_id(body[0], "call_id"),
             _text(body[1], "tool", _MAX_NAME),
             _bin(body[2], "args"),
             _int_id(body[3], "acked"),
             parts,
+            (),
         )
     if kind == "ack":
         _arity(body, 1, kind)
@@ -825,6 +835,6 @@ def decode_supervisor_frames(
                 raise ProtocolViolation(
                     f"call of {total} bytes with its parts exceeds the limit of {max_len}"
                 )
-            msg = CallMessage(msg.call_id, msg.tool, msg.args, msg.acked, msg.parts, data)
+            msg = _call_message(msg.call_id, msg.tool, msg.args, msg.acked, msg.parts, data)
         out.append(msg)
     return out

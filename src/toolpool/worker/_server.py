@@ -50,6 +50,7 @@ from ..protocol import (
     CallMessage,
     ProtocolViolation,
     ResultMessage,
+    decode_from_supervisor,
     decode_supervisor_frames,
     pack_parts,
     pack_value,
@@ -154,6 +155,7 @@ class _Server:
         self._fd = fd_of(sock)
         self._readable = readable
         self._noblock = zmq.NOBLOCK
+        self._rcvmore = zmq.RCVMORE
         self._loop: asyncio.AbstractEventLoop | None = None  # for calls with stages, async
         # Liveness: a heartbeat every `heartbeat` seconds (0: none), sent by whichever thread
         # has the socket: the control thread while a call runs, the main thread otherwise.
@@ -348,12 +350,17 @@ class _Server:
         gets; a frame that is a message is decoded from the zmq frame itself)."""
         sock = self.sock
         frames: list[Any] = [sock.recv(flags)]
-        while sock.rcvmore:
+        while sock.getsockopt(self._rcvmore):
             frames.append(sock.recv(flags, copy=False))
         return frames
 
     def _handle_frames(self, frames: list[Any]) -> None:
         try:
+            if len(frames) == 1:  # (most messages: one frame, no parts)
+                msg = decode_from_supervisor(frames[0], max_len=self.max_frame)
+                if type(msg) is not CallMessage or not msg.parts:
+                    self._handle(msg)
+                    return
             messages = decode_supervisor_frames(frames, max_len=self.max_frame)
         except ProtocolViolation:
             traceback.print_exc()
