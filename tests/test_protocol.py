@@ -737,8 +737,12 @@ def test_a_call_with_parts_is_decoded_with_them_and_checked() -> None:
     ],
 )
 def test_a_results_spill_is_checked(spill: Any, why: str) -> None:
-    ok = result_frame(extras={"spill": [0, [600, 400]]})
-    assert decode_from_worker(ok, max_len=1024).extras["spill"] == [0, [600, 400]]
+    ok = result_frame(extras={"spill": [0, [500, 400]]})
+    assert decode_from_worker(ok, max_len=1024).extras["spill"] == [0, [500, 400]]
+    # The frame counts with its parts: as if they were in it.
+    over = result_frame(extras={"spill": [0, [1000]]})
+    with pytest.raises(ProtocolViolation, match="with the frame's"):
+        decode_from_worker(over, max_len=1024)
     bad = result_frame(extras={"spill": spill})
     with pytest.raises(ProtocolViolation, match=why):
         decode_from_worker(bad, max_len=1024)

@@ -408,3 +408,22 @@ def test_without_a_ledger_parts_go_inline() -> None:
     (result,) = _sent(m.conclude(reply, parts))
     assert result.value == pack_value([bytes([1]) * (1 << 20)])
     assert m.need_ack == 1
+
+
+def test_a_result_and_its_parts_over_max_frame_are_cut_as_one_frame_would_be() -> None:
+    """The limit is the frame's and its parts' together, as when the parts were inside it:
+    the captured output goes first (the value then inline, not spilled)."""
+    m = WorkerMachine(max_frame=64 * 1024, ledger=True, spill=128 * 1024)
+    m.receive(_call(1))
+    _take(m, 1)
+    packed, parts = pack_parts(bytes(32 * 1024))
+    extras = {"output": b"o" * 40_000, "output_dropped": 0}
+    reply = ResultMessage(1, "ok", packed, None, None, True, {}, 0, extras)
+    out = m.conclude(reply, parts)
+    m.check()
+    (result,) = _sent(out)
+    assert not [a for a in out if isinstance(a, SpillParts)]
+    assert "output" not in result.extras
+    assert result.extras["output_dropped"] == 40_000
+    assert result.value == pack_value(bytes(32 * 1024))
+    assert "spill" not in result.extras

@@ -556,10 +556,11 @@ def unpack_value(data: bytes, max_len: int = DEFAULT_MAX_FRAME, parts: Sequence[
         raise ProtocolViolation(f"undecodable frame: {type(exc).__name__}: {why}") from None
 
 
-def check_spill(spill: Any, max_len: int) -> tuple[int, list[int]]:
+def check_spill(spill: Any, max_len: int, frame_len: int = 0) -> tuple[int, list[int]]:
     """A result's ``extras["spill"]``, ``[offset, [length, ...]]``: where in the worker's
     spill its value's parts lie, back to back. Checked: ids, 1 to :data:`MAX_PARTS` parts,
-    each at least 1 byte, and at most ``max_len`` bytes in all (the frame's own limit)."""
+    each at least 1 byte, and with the result's frame (``frame_len`` bytes) at most
+    ``max_len`` bytes in all (the limit of one frame, as if the parts were in it)."""
     if (
         type(spill) is not list
         or len(spill) != 2
@@ -572,9 +573,10 @@ def check_spill(spill: Any, max_len: int) -> tuple[int, list[int]]:
     for n in lengths:
         if type(n) is not int or not 1 <= n <= max_len:
             raise ProtocolViolation("a part's length must be a positive integer")
-    if sum(lengths) > max_len:
+    if sum(lengths) + frame_len > max_len:
         raise ProtocolViolation(
-            f"parts of {sum(lengths)} bytes in all exceed the limit of {max_len}"
+            f"parts of {sum(lengths)} bytes in all, with the frame's {frame_len}, exceed the "
+            f"limit of {max_len}"
         )
     return offset, lengths
 
@@ -668,7 +670,7 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
                         break
                 else:
                     if "spill" in extras:
-                        check_spill(extras["spill"], max_len)
+                        check_spill(extras["spill"], max_len, len(frame))
                     return _result_message(
                         call_id,
                         outcome,
@@ -698,7 +700,7 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
         if type(body[6]) is not dict or not all(type(k) is str for k in body[6]):
             raise ProtocolViolation("context must be a map with string keys")
         if "spill" in extras:
-            check_spill(extras["spill"], max_len)
+            check_spill(extras["spill"], max_len, len(frame))
         return ResultMessage(
             _int_id(body[0], "call_id"),
             outcome,

@@ -333,6 +333,14 @@ class WorkerMachine:
             need = sum(len(p) for p in parts)
             if slot is not None and len(reply.value or b"") + need <= self.max_frame - 1024:
                 spill_at = self._spill_room(need)
+            if spill_at is not None:
+                extras["spill"] = [spill_at, [len(p) for p in parts]]
+                extras["kept"] = True
+                if len(encode(reply)) + need > self.max_frame:
+                    # With its output or context, the result and its parts exceed max_frame:
+                    # inline, so that within() below cuts them as it always did.
+                    del extras["spill"]
+                    spill_at = None
             if spill_at is None:
                 # No room (or too large, or no slot): the value goes inline, as without a
                 # spill; a copy, on a rare path (within() below cuts what is too large).
@@ -340,7 +348,6 @@ class WorkerMachine:
                 reply = dataclasses.replace(reply, value=pack_value(value))
                 slot = None if len(reply.value or b"") > SLOT_PAYLOAD else slot
             else:
-                extras["spill"] = [spill_at, [len(p) for p in parts]]
                 self.spilled.append((self.results, spill_at, spill_at + need))
         extras["kept"] = slot is not None
         frame = encode(reply)
