@@ -35,6 +35,7 @@ from toolpool.worker import _server
 from toolpool.worker._main import load_registry
 
 NO_ARGS = b"\x80"  # msgpack: {}
+_RCVMORE = zmq.RCVMORE
 
 
 class FakeSupervisor:
@@ -63,6 +64,8 @@ class FakeSupervisor:
     # What the worker's server calls.
 
     def getsockopt(self, option: int) -> int:
+        if option == _RCVMORE:
+            return 0  # (a message of one part; as cheap as pyzmq's C getsockopt allows)
         if option == zmq.FD:
             return self._never_r
         return self.get(option)
@@ -78,6 +81,13 @@ class FakeSupervisor:
         if not self.inbox:
             raise RuntimeError("the worker waits for a message that never comes")
         return [self.inbox.popleft()]
+
+    def recv(self, flags: int = 0, copy: bool = True) -> bytes:
+        """One frame (every message is of one part: ``RCVMORE`` is 0). What the worker
+        calls since protocol 4 (``recv_multipart`` before), one call as it was."""
+        if not self.inbox:
+            raise RuntimeError("the worker waits for a message that never comes")
+        return self.inbox.popleft()
 
     def send(self, frame: bytes, flags: int = 0, copy: bool = True) -> None:
         msg = decode_from_worker(frame)

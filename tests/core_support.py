@@ -28,6 +28,7 @@ class FakeProbe:
         self.kept_of: dict[int, list[tuple[int, bytes]]] = {}
         self.members_of: dict[int, int] = {}
         self.tree_of: dict[int, tuple[int, ...]] = {}
+        self.spill_of: dict[int, bytes] = {}
 
     def marks(self, wid: int) -> tuple[int, int] | None:
         return self.marks_of.get(wid)
@@ -36,6 +37,16 @@ class FakeProbe:
         if wid not in self.marks_of:
             return None
         return self.marks_of.pop(wid), self.kept_of.pop(wid, [])
+
+    def spill(self, wid: int, offset: int, lengths: list[int]) -> list[bytes] | None:
+        data = self.spill_of.get(wid, b"")
+        if offset + sum(lengths) > len(data):
+            return None
+        out = []
+        for n in lengths:
+            out.append(data[offset : offset + n])
+            offset += n
+        return out
 
     def other_members(self, wid: int, pid: int | None) -> int | None:
         return self.members_of.get(wid)

@@ -81,6 +81,17 @@ def hostile_frame(kind: str, call_id: int, target: int, size: int) -> list[bytes
         return [encode(Fatal(b"0" * 64, "not really"))]
     if kind == "bad_value":
         return [encode(Result(call_id, "ok", b"\xc1", None, None, True, {}))]
+    if kind in ("missing_part", "spill_beyond", "spill_too_large", "too_many_parts"):
+        # A value whose part is out of band, in the worker's spill (issue 26 step 3).
+        ref = msgpack.packb(msgpack.ExtType(1, (1 if kind == "missing_part" else 0).to_bytes(4)))
+        spill: list[Any] = {
+            "missing_part": [0, [16 * 1024]],  # one part, and the value refers to a second
+            "spill_beyond": [2 * size, [16 * 1024]],  # (size: 2 x max_frame, the spill's)
+            "spill_too_large": [0, [size // 2, size // 2]],  # more than max_frame in all
+            "too_many_parts": [0, [1] * 65],
+        }[kind]
+        extras = {"spill": spill, "kept": True}
+        return [encode(Result(call_id, "ok", ref, None, None, True, {}, 0, extras))]
     if kind == "multipart_garbage":
         return [msgpack.packb(["pong", 1]), b"\xc1"]
     if kind == "garbage_then_own_result":
@@ -412,7 +423,9 @@ def worker_ledger() -> Any:
     found = [
         obj
         for obj in gc.get_objects()
-        if isinstance(obj, mmap.mmap) and not obj.closed and len(obj) == LEDGER_SIZE
+        if isinstance(obj, mmap.mmap)
+        and not obj.closed
+        and len(obj) >= LEDGER_SIZE  # (the spill follows)
     ]
     if len(found) != 1:
         raise RuntimeError(f"expected one ledger mapping in the worker, found {len(found)}")

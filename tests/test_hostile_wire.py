@@ -122,6 +122,11 @@ VIOLATIONS = {
     "ext_type": "protocol violation: undecodable frame",
     "killed_outcome": "protocol violation: unknown outcome 'killed'",
     "bad_value": "protocol violation: undecodable frame",
+    # Out of band (issue 26 step 3): a value's parts lie in the worker's spill.
+    "missing_part": "protocol violation: a reference to part 1, which does not exist",
+    "spill_beyond": "protocol violation: its result names parts beyond its spill",
+    "spill_too_large": "protocol violation: parts of 131072 bytes in all, with the frame",
+    "too_many_parts": "protocol violation: spill must be [offset, [length, ...]] of 1 to 64",
     "result_for_other_call": "protocol violation: result for call",
     "started_for_other_call": "protocol violation: 'started' for call",
     "started_twice": "protocol violation: 'started' for call",

@@ -658,3 +658,91 @@ def test_an_undecodable_frame_says_why_even_where_msgpack_does_not() -> None:
     text = str(info.value)
     assert not text.rstrip().endswith(":"), text
     assert "FormatError: not msgpack" in text
+
+
+# --------------------------------------------------------------------------- parts (issue 26)
+
+
+def test_large_byte_strings_become_parts_bytes_not_copied_bytearray_copied_once() -> None:
+    from toolpool.protocol import PART_MIN, pack_parts
+
+    big = bytes(range(256)) * (PART_MIN // 256)
+    mutable = bytearray(big)
+    small = b"s" * (PART_MIN - 1)
+    value = {"big": big, "list": [mutable, small, 1], "small": small}
+    packed, parts = pack_parts(value)
+    assert len(parts) == 2
+    assert parts[0] is big  # immutable: the caller's object itself, no copy
+    assert type(parts[1]) is bytes  # a bytearray: copied, once
+    assert parts[1] == big
+    mutable[:] = bytes(len(mutable))  # a later change of the caller's reaches nothing
+    assert len(packed) < 2 * len(small) + 64  # the small ones stayed inline, not the large
+    back = unpack_value(packed, 1 << 20, parts)
+    assert back == {"big": big, "list": [big, small, 1], "small": small}
+    assert back["big"] is big
+    assert value["list"][0] is mutable  # the caller's value was not changed
+    # No large byte string: the packing is pack_value's, byte for byte.
+    assert pack_parts({"a": small}) == (pack_value({"a": small}), [])
+
+
+def test_a_reference_to_a_part_that_does_not_exist_is_a_violation() -> None:
+    ref = msgpack.packb([msgpack.ExtType(1, (1).to_bytes(4)), 2])
+    with pytest.raises(ProtocolViolation, match="part 1, which does not exist"):
+        unpack_value(ref, 1 << 20, [b"only part 0"])
+    with pytest.raises(ProtocolViolation, match="undecodable"):  # no parts: no ext at all
+        unpack_value(ref, 1 << 20)
+    other = msgpack.packb(msgpack.ExtType(2, (0).to_bytes(4)))
+    with pytest.raises(ProtocolViolation, match="ext type 2 is not allowed"):
+        unpack_value(other, 1 << 20, [b"x"])
+    long_ref = msgpack.packb(msgpack.ExtType(1, bytes(8)))
+    with pytest.raises(ProtocolViolation):
+        unpack_value(long_ref, 1 << 20, [b"x"])
+
+
+def test_a_call_with_parts_is_decoded_with_them_and_checked() -> None:
+    from toolpool.protocol import decode_supervisor_frames, encode_call
+
+    args = msgpack.packb({"v": msgpack.ExtType(1, (0).to_bytes(4))})
+    call = encode_call(5, "echo", args, 2, 1)
+    assert call == frame("call", 5, "echo", args, 2, 1)
+    part = b"p" * 100
+    first, second = decode_supervisor_frames([call, part, encode_call(6, "t", b"\x80", 2)])
+    assert isinstance(first, Call)
+    assert first.parts == 1
+    assert first.data == (part,)
+    assert unpack_value(first.args, 1 << 20, first.data) == {"v": part}
+    assert isinstance(second, Call)
+    assert second.parts == 0
+    assert second.data == ()
+    with pytest.raises(ProtocolViolation, match="1 parts, and 0 follow"):
+        decode_supervisor_frames([call])
+    with pytest.raises(ProtocolViolation, match="exceeds the limit"):
+        decode_supervisor_frames([call, b"p" * 2000], max_len=1024)
+    for bad in (0, 65, -1, True):
+        with pytest.raises(ProtocolViolation):
+            decode_from_supervisor(frame("call", 5, "echo", args, 2, bad))
+
+
+@pytest.mark.parametrize(
+    ("spill", "why"),
+    [
+        ([0, []], "1 to 64 parts"),
+        ([0, [1] * 65], "1 to 64 parts"),
+        ([0], "1 to 64 parts"),
+        ({"at": 0}, "documented fields"),
+        ([-1, [5]], "spill offset"),
+        ([0, [0]], "positive integer"),
+        ([0, [True]], "positive integer"),
+        ([0, [600, 600]], "exceed the limit of 1024"),
+    ],
+)
+def test_a_results_spill_is_checked(spill: Any, why: str) -> None:
+    ok = result_frame(extras={"spill": [0, [500, 400]]})
+    assert decode_from_worker(ok, max_len=1024).extras["spill"] == [0, [500, 400]]
+    # The frame counts with its parts: as if they were in it.
+    over = result_frame(extras={"spill": [0, [1000]]})
+    with pytest.raises(ProtocolViolation, match="with the frame's"):
+        decode_from_worker(over, max_len=1024)
+    bad = result_frame(extras={"spill": spill})
+    with pytest.raises(ProtocolViolation, match=why):
+        decode_from_worker(bad, max_len=1024)

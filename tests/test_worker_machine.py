@@ -26,6 +26,7 @@ from toolpool.protocol import (
     Withdrawn,
     decode_from_worker,
     encode,
+    pack_parts,
     pack_value,
 )
 from toolpool.protocol._ledger import SLOT_PAYLOAD, SLOTS
@@ -39,6 +40,7 @@ from toolpool.worker._machine import (
     Phase,
     RunCall,
     SendFrames,
+    SpillParts,
     WorkerMachine,
 )
 
@@ -309,3 +311,119 @@ def test_check_catches_a_broken_invariant() -> None:
     m.pending.append(b"x")  # held back with no ledger to keep it in
     with pytest.raises(AssertionError):
         m.check()
+
+
+# --------------------------------------------------------------------------- the spill
+
+
+def _parts_reply(call_id: int, *sizes: int) -> tuple[ResultMessage, list[bytes]]:
+    """A result whose value is a list of byte strings of ``sizes``, taken out as parts."""
+    packed, parts = pack_parts([bytes([call_id % 256]) * n for n in sizes])
+    assert len(parts) == len(sizes)
+    return ResultMessage(call_id, "ok", packed, None, None, True, {}, 0, {}), parts
+
+
+def test_a_large_result_goes_to_the_spill_and_is_kept_no_ack_waited_for() -> None:
+    """Issue 26 step 3: its bytes in the spill, its small frame in a slot (kept), so the
+    worker takes up its next call at once; the frame says where the parts lie."""
+    m = WorkerMachine(max_frame=8 << 20, ledger=True, spill=16 << 20)
+    for i in (1, 2):
+        m.receive(_call(i))
+    _take(m, 1)
+    reply, parts = _parts_reply(1, 1 << 20, 20_000)
+    out = m.conclude(reply, parts)
+    m.check()
+    assert [type(a) for a in out] == [SpillParts, KeepResult]  # the parts first; held back
+    spill, keep = out
+    assert isinstance(spill, SpillParts)
+    assert isinstance(keep, KeepResult)
+    assert spill.at == 0
+    assert spill.parts == tuple(parts)
+    kept = decode_from_worker(keep.frame)
+    assert isinstance(kept, ResultMessage)
+    assert kept.extras["kept"] is True
+    assert kept.extras["spill"] == [0, [1 << 20, 20_000]]
+    assert len(keep.frame) <= SLOT_PAYLOAD
+    assert m.need_ack == 0
+    _take(m, 2)  # no Ack waited for
+    reply, parts = _parts_reply(2, 3 << 20)
+    out = m.conclude(reply, parts)
+    spill2 = out[0]
+    assert isinstance(spill2, SpillParts)
+    assert [msg.call_id for msg in _sent(out)] == [1, 2]  # what was held back first
+    assert spill2.at == (1 << 20) + 20_000  # after the unacknowledged first
+    m.check()
+
+
+def test_the_spill_is_a_ring_reused_once_acked_and_a_full_one_sends_inline() -> None:
+    m = WorkerMachine(max_frame=8 << 20, ledger=True, spill=10 << 20)
+    regions = []
+    for call_id, size in ((1, 4 << 20), (2, 4 << 20), (3, 4 << 20)):
+        m.receive(_call(call_id))
+        _take(m, call_id)
+        reply, parts = _parts_reply(call_id, size)
+        out = m.conclude(reply, parts)
+        m.check()
+        regions.append(out)
+    # Two fit (0 and 4 MiB); the third finds no room while neither is acked: inline, not
+    # kept, and the worker waits for its Ack as it would without a spill.
+    assert [type(a) for a in regions[0]] == [SpillParts, KeepResult, SendFrames]
+    assert [a.at for a in regions[1] if isinstance(a, SpillParts)] == [4 << 20]
+    assert [type(a) for a in regions[2]] == [SendFrames]
+    (third,) = _sent(regions[2])
+    assert third.extras["kept"] is False
+    assert "spill" not in third.extras
+    assert third.value == pack_value([bytes([3]) * (4 << 20)])
+    assert m.need_ack == 3
+    # Acked: the ring starts over at 0 (the tail had no room).
+    m.receive(_call(4, acked=3))
+    _take(m, 4)
+    reply, parts = _parts_reply(4, 6 << 20)
+    out = m.conclude(reply, parts)
+    assert [a.at for a in out if isinstance(a, SpillParts)] == [0]
+    m.receive(_call(5, acked=3))
+    _take(m, 5)
+    reply, parts = _parts_reply(5, 3 << 20)  # after 4's region: 6 to 9 MiB
+    out = m.conclude(reply, parts)
+    assert [a.at for a in out if isinstance(a, SpillParts)] == [6 << 20]
+    m.receive(_call(6, acked=4))  # 4 acked, 5 not: room before 5, wrapped
+    _take(m, 6)
+    reply, parts = _parts_reply(6, 5 << 20)
+    out = m.conclude(reply, parts)
+    assert [a.at for a in out if isinstance(a, SpillParts)] == [0]
+    m.check()
+    m.receive(_call(7, acked=4))
+    _take(m, 7)
+    reply, parts = _parts_reply(7, 2 << 20)  # wrapped: only 5 to 6 MiB is free
+    out = m.conclude(reply, parts)
+    assert not [a for a in out if isinstance(a, SpillParts)]
+    m.check()
+
+
+def test_without_a_ledger_parts_go_inline() -> None:
+    m = WorkerMachine(max_frame=8 << 20, ledger=False, spill=16 << 20)
+    m.receive(_call(1))
+    _take(m, 1)
+    reply, parts = _parts_reply(1, 1 << 20)
+    (result,) = _sent(m.conclude(reply, parts))
+    assert result.value == pack_value([bytes([1]) * (1 << 20)])
+    assert m.need_ack == 1
+
+
+def test_a_result_and_its_parts_over_max_frame_are_cut_as_one_frame_would_be() -> None:
+    """The limit is the frame's and its parts' together, as when the parts were inside it:
+    the captured output goes first (the value then inline, not spilled)."""
+    m = WorkerMachine(max_frame=64 * 1024, ledger=True, spill=128 * 1024)
+    m.receive(_call(1))
+    _take(m, 1)
+    packed, parts = pack_parts(bytes(32 * 1024))
+    extras = {"output": b"o" * 40_000, "output_dropped": 0}
+    reply = ResultMessage(1, "ok", packed, None, None, True, {}, 0, extras)
+    out = m.conclude(reply, parts)
+    m.check()
+    (result,) = _sent(out)
+    assert not [a for a in out if isinstance(a, SpillParts)]
+    assert "output" not in result.extras
+    assert result.extras["output_dropped"] == 40_000
+    assert result.value == pack_value(bytes(32 * 1024))
+    assert "spill" not in result.extras

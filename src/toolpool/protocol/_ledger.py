@@ -8,7 +8,10 @@ Layout (all integers little-endian u64):
 - offset 8: 1 + the id of the call whose body it last invoked (0: none yet);
 - offset :data:`SLOTS_AT` + i * :data:`SLOT_SIZE`, for i < :data:`SLOTS`: a kept result: its
   sequence number among the worker's results (1, 2, ...; 0: empty), the frame's length, then
-  the frame (a ``result`` message exactly as sent).
+  the frame (a ``result`` message exactly as sent);
+- offset :data:`SPILL_AT` to the end of the file (:func:`spill_size` bytes): the *spill*, the
+  parts of kept results' values (large byte strings), where a result's ``extras["spill"]``
+  says. The worker uses it as a ring: a region is free again once its result is acknowledged.
 
 The worker writes; the supervisor reads only once the worker is gone, and validates what it
 reads like any frame from a worker: the file is the worker's to scribble on.
@@ -26,9 +29,12 @@ __all__ = (
     "LEDGER_SIZE",
     "SLOTS",
     "SLOT_PAYLOAD",
+    "SPILL_AT",
     "read_ledger",
     "read_marks",
+    "spill_size",
     "write_invoked",
+    "write_parts",
     "write_slot",
     "write_taken",
 )
@@ -41,6 +47,25 @@ SLOTS: Final = 32  # HOLD_BACK results held back and a queue of them in flight
 #: The largest result frame a slot keeps; a larger one is not kept.
 SLOT_PAYLOAD: Final = SLOT_SIZE - 16
 LEDGER_SIZE: Final = SLOTS_AT + SLOTS * SLOT_SIZE
+#: Where the spill begins: after the slots (the file is LEDGER_SIZE + spill_size bytes).
+SPILL_AT: Final = LEDGER_SIZE
+
+
+def spill_size(max_frame: int) -> int:
+    """The spill's size for frames of at most ``max_frame`` bytes: room for two of the
+    largest results at once (one unacknowledged while the next is kept). The file is sparse:
+    a page takes memory only once a result was written there."""
+    return 2 * max_frame
+
+
+def write_parts(buf: WriteableBuffer, at: int, parts: tuple[bytes, ...]) -> None:
+    """Write a result's ``parts`` back to back at offset ``at`` of the spill (before its
+    slot: a worker killed half-way leaves no slot that points here)."""
+    view = memoryview(buf)
+    at += SPILL_AT
+    for part in parts:
+        view[at : at + len(part)] = part
+        at += len(part)
 
 
 def write_taken(buf: WriteableBuffer, call_id: int) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, TypeAlias
 
@@ -27,7 +28,10 @@ from ._checks import text as _text
 
 __all__ = (
     "DEFAULT_MAX_FRAME",
+    "MAX_PARTS",
     "MAX_PROGRESS_MESSAGE",
+    "PART_EXT",
+    "PART_MIN",
     "PROGRESS_INTERVAL",
     "Ack",
     "OUTCOME_NAMES",
@@ -50,16 +54,19 @@ __all__ = (
     "SupervisorMessage",
     "Withdrawn",
     "WorkerMessage",
+    "check_spill",
     "decode_from_supervisor",
     "decode_from_worker",
+    "decode_supervisor_frames",
     "encode",
     "encode_call",
+    "pack_parts",
     "pack_value",
     "unpack_value",
 )
 
 #: The wire protocol's version; separate from the package version.
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 
 #: Default cap on one frame, in bytes (enforced by ZMQ_MAXMSGSIZE and again here). Decoding
 #: a hostile frame can cost about 64 bytes of memory per frame byte (a frame of nested empty
@@ -75,6 +82,17 @@ _CAUSE_KINDS: Final = frozenset({"user", "parent", "disposed", "timeout"})
 MAX_PROGRESS_MESSAGE: Final = 1024
 #: A worker sends a call's progress at most this often (seconds; the latest report wins).
 PROGRESS_INTERVAL: Final = 0.05
+#: A ``bytes`` or ``bytearray`` of at least this many bytes inside a packed payload (a call's
+#: arguments, a result's value) travels out of band, as a *part*: a zmq frame of its own after
+#: the ``call`` frame, or a region of the worker's spill for a result. The msgpack refers to it
+#: by an ext of type :data:`PART_EXT` whose 4 bytes are the part's index (u32, big-endian).
+#: Smaller ones stay inline: copying them costs less than a part's bookkeeping.
+PART_MIN: Final = 16 * 1024
+#: The msgpack ext type of a reference to a part; the only ext type the wire knows.
+PART_EXT: Final = 1
+#: At most this many parts per payload (the rest of a payload's large byte strings stay inline).
+MAX_PARTS: Final = 64
+_INDEX: Final = struct.Struct(">I")
 
 
 # --------------------------------------------------------------------------- messages
@@ -229,9 +247,15 @@ class CallMessage:
     tool: str
     args: bytes
     acked: int = 0
+    parts: int = 0
+    """How many parts of the arguments follow the frame (zmq frames of the same message)."""
+    data: tuple[bytes, ...] = field(default=(), repr=False, compare=False)
+    """The parts themselves, as received (not a field of the frame)."""
     TYPE: ClassVar[str] = "call"
 
     def fields(self) -> list[Any]:
+        if self.parts:
+            return [self.call_id, self.tool, self.args, self.acked, self.parts]
         return [self.call_id, self.tool, self.args, self.acked]
 
 
@@ -331,10 +355,13 @@ def encode(message: WorkerMessage | SupervisorMessage) -> bytes:
     return msgpack.packb([message.TYPE, *message.fields()], use_bin_type=True)
 
 
-def encode_call(call_id: int, tool: str, args: bytes, acked: int) -> bytes:
-    """The frame of ``CallMessage(call_id, tool, args, acked)``, byte for byte what
+def encode_call(call_id: int, tool: str, args: bytes, acked: int, parts: int = 0) -> bytes:
+    """The frame of ``CallMessage(call_id, tool, args, acked, parts)``, byte for byte what
     :func:`encode` makes of it, in one pack: no message object, no list of its fields (the
-    supervisor's hot path; ``args`` is packed already, and goes in as it is)."""
+    supervisor's hot path; ``args`` is packed already, and goes in as it is). The ``parts``
+    frames of the arguments follow it in the same message."""
+    if parts:
+        return _pack(["call", call_id, tool, args, acked, parts])
     return _pack(["call", call_id, tool, args, acked])
 
 
@@ -352,6 +379,62 @@ def pack_value(value: Any, name: str = "the value") -> bytes:
 
 
 _LEAVES: Final = frozenset({str, bytes, int, float, bool, type(None)})
+_SCALARS: Final = frozenset({str, int, float, bool, type(None)})
+
+
+def pack_parts(value: Any, name: str = "the value") -> tuple[bytes, list[bytes]]:
+    """Pack ``value`` as :func:`pack_value` does, but with each ``bytes`` or ``bytearray`` of
+    at least :data:`PART_MIN` bytes (at most :data:`MAX_PARTS` of them) taken out as a part:
+    the packed msgpack refers to it by index. A ``bytes`` part is the caller's object itself,
+    not a copy (it is immutable); a ``bytearray`` is copied once, so a later change of the
+    caller's does not reach the other side. Returns the packed value and its parts."""
+    parts: list[bytes] = []
+    out = _extract(value, parts, 0)
+    if not parts:
+        return pack_value(value, name), parts
+    if _refusable(value):  # (before packing: an ext type of the caller's is refused, too)
+        raise TypeError(_refused(value, name))
+    try:
+        packed: bytes = msgpack.packb(out, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(f"not serializable with msgpack: {exc}") from None
+    return packed, parts
+
+
+def _extract(value: Any, parts: list[bytes], depth: int) -> Any:
+    """``value`` with its large byte strings replaced by references to ``parts`` (appended);
+    ``value`` itself where none is (no container is copied then)."""
+    kind = type(value)
+    if kind is bytes or kind is bytearray:
+        if len(value) < PART_MIN or len(parts) >= MAX_PARTS:
+            return value
+        parts.append(value if kind is bytes else bytes(value))
+        return msgpack.ExtType(PART_EXT, _INDEX.pack(len(parts) - 1))
+    if kind in _SCALARS or depth > 256:  # (deeper than msgpack packs anyway: left as is)
+        return value
+    if isinstance(value, dict):
+        changed: dict[Any, Any] | None = None
+        for key, inner in value.items():
+            if type(inner) in _SCALARS:
+                continue
+            new = _extract(inner, parts, depth + 1)
+            if new is not inner:
+                if changed is None:
+                    changed = dict(value)
+                changed[key] = new
+        return value if changed is None else changed
+    if isinstance(value, (list, tuple)) and not isinstance(value, msgpack.ExtType):
+        items: list[Any] | None = None
+        for i, inner in enumerate(value):
+            if type(inner) in _SCALARS:
+                continue
+            new = _extract(inner, parts, depth + 1)
+            if new is not inner:
+                if items is None:
+                    items = list(value)
+                items[i] = new
+        return value if items is None else items
+    return value
 
 
 def _refusable(value: Any) -> bool:
@@ -435,9 +518,67 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise ProtocolViolation(f"msgpack ext type {code} is not allowed")
 
 
-def unpack_value(data: bytes, max_len: int = DEFAULT_MAX_FRAME) -> Any:
-    """Unpack a packed value from an untrusted peer, with the same limits as a frame."""
-    return _unpack(data, max_len)
+def unpack_value(data: bytes, max_len: int = DEFAULT_MAX_FRAME, parts: Sequence[bytes] = ()) -> Any:
+    """Unpack a packed value from an untrusted peer, with the same limits as a frame; its
+    references to parts resolve to ``parts`` (the objects themselves: no copy). A reference
+    to a part that does not exist, or an ext of another type, is a violation."""
+    if not parts:
+        return _unpack(data, max_len)
+    if len(data) > max_len:
+        raise ProtocolViolation(f"frame of {len(data)} bytes exceeds the limit of {max_len}")
+    count = len(parts)
+
+    def part(code: int, ref: bytes) -> Any:
+        if code != PART_EXT or len(ref) != _INDEX.size:
+            raise ProtocolViolation(f"msgpack ext type {code} is not allowed")
+        (index,) = _INDEX.unpack(ref)
+        if index >= count:
+            raise ProtocolViolation(f"a reference to part {index}, which does not exist")
+        return parts[index]
+
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=max_len,
+            max_bin_len=max_len,
+            max_array_len=min(max_len, 1 << 20),
+            max_map_len=min(max_len, 1 << 20),
+            max_ext_len=_INDEX.size,
+            ext_hook=part,
+        )
+    except ProtocolViolation:
+        raise
+    except Exception as exc:
+        why = str(exc) or "not msgpack (a byte no msgpack value starts with)"
+        raise ProtocolViolation(f"undecodable frame: {type(exc).__name__}: {why}") from None
+
+
+def check_spill(spill: Any, max_len: int, frame_len: int = 0) -> tuple[int, list[int]]:
+    """A result's ``extras["spill"]``, ``[offset, [length, ...]]``: where in the worker's
+    spill its value's parts lie, back to back. Checked: ids, 1 to :data:`MAX_PARTS` parts,
+    each at least 1 byte, and with the result's frame (``frame_len`` bytes) at most
+    ``max_len`` bytes in all (the limit of one frame, as if the parts were in it)."""
+    if (
+        type(spill) is not list
+        or len(spill) != 2
+        or type(spill[1]) is not list
+        or not 1 <= len(spill[1]) <= MAX_PARTS
+    ):
+        raise ProtocolViolation("spill must be [offset, [length, ...]] of 1 to 64 parts")
+    offset = _int_id(spill[0], "spill offset")
+    lengths = spill[1]
+    for n in lengths:
+        if type(n) is not int or not 1 <= n <= max_len:
+            raise ProtocolViolation("a part's length must be a positive integer")
+    if sum(lengths) + frame_len > max_len:
+        raise ProtocolViolation(
+            f"parts of {sum(lengths)} bytes in all, with the frame's {frame_len}, exceed the "
+            f"limit of {max_len}"
+        )
+    return offset, lengths
 
 
 def _amount(value: Any, what: str) -> float:
@@ -464,28 +605,38 @@ _EXTRAS: dict[Any, type] = {
     "output_dropped": int,
     "started_at": float,
     "kept": bool,
+    "spill": list,
 }
 
 
 _new = object.__new__
-_RESULT_SLOTS: Final = tuple(ResultMessage.__slots__)
-_ns: dict[str, Any] = {f"_set_{n}": ResultMessage.__dict__[n].__set__ for n in _RESULT_SLOTS}
-_ns.update(_new=_new, ResultMessage=ResultMessage)
-exec(
-    "\n".join(
-        (
-            "def _result_message(" + ", ".join(_RESULT_SLOTS) + "):",
-            "    msg = _new(ResultMessage)",
-            *(f"    _set_{n}(msg, {n})" for n in _RESULT_SLOTS),
-            "    return msg",
-        )
-    ),
-    _ns,
-)
-#: A ResultMessage of its 9 checked fields, slot by slot (its frozen __init__ sets each
-#: through object.__setattr__: three times the cost, on the hot path).
-_result_message: Final[Callable[..., ResultMessage]] = _ns["_result_message"]
-del _ns
+
+
+def _slot_maker(cls: type) -> Callable[..., Any]:
+    """A maker of ``cls`` (a frozen dataclass with slots) from all its fields, slot by slot
+    (its frozen __init__ sets each through object.__setattr__: three times the cost, on the
+    hot path)."""
+    slots = tuple(cls.__slots__)  # type: ignore[attr-defined]
+    ns: dict[str, Any] = {f"_set_{n}": cls.__dict__[n].__set__ for n in slots}
+    ns.update(_new=_new, cls=cls)
+    exec(
+        "\n".join(
+            (
+                "def make(" + ", ".join(slots) + "):",
+                "    msg = _new(cls)",
+                *(f"    _set_{n}(msg, {n})" for n in slots),
+                "    return msg",
+            )
+        ),
+        ns,
+    )
+    return ns["make"]  # type: ignore[no-any-return]
+
+
+#: A ResultMessage of its 9 checked fields.
+_result_message: Final[Callable[..., ResultMessage]] = _slot_maker(ResultMessage)
+#: A CallMessage of its checked fields, its parts (the data) last.
+_call_message: Final[Callable[..., CallMessage]] = _slot_maker(CallMessage)
 
 
 def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> WorkerMessage:
@@ -518,6 +669,8 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
                     if type(k) is not str:
                         break
                 else:
+                    if "spill" in extras:
+                        check_spill(extras["spill"], max_len, len(frame))
                     return _result_message(
                         call_id,
                         outcome,
@@ -546,6 +699,8 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
             raise ProtocolViolation("body_started must be a boolean")
         if type(body[6]) is not dict or not all(type(k) is str for k in body[6]):
             raise ProtocolViolation("context must be a map with string keys")
+        if "spill" in extras:
+            check_spill(extras["spill"], max_len, len(frame))
         return ResultMessage(
             _int_id(body[0], "call_id"),
             outcome,
@@ -612,12 +767,20 @@ def decode_from_supervisor(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) ->
     """Decode one frame the supervisor sent (the worker validates it too)."""
     kind, body = _frame(frame, max_len)
     if kind == "call":
-        _arity(body, 4, kind)
-        return CallMessage(
+        if len(body) != 5:
+            _arity(body, 4, kind)
+            parts = 0
+        else:
+            parts = _int_id(body[4], "parts")
+            if not 1 <= parts <= MAX_PARTS:
+                raise ProtocolViolation(f"a call has 1 to {MAX_PARTS} parts, or no field for them")
+        return _call_message(
             _int_id(body[0], "call_id"),
             _text(body[1], "tool", _MAX_NAME),
             _bin(body[2], "args"),
             _int_id(body[3], "acked"),
+            parts,
+            (),
         )
     if kind == "ack":
         _arity(body, 1, kind)
@@ -646,3 +809,34 @@ def decode_from_supervisor(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) ->
         _arity(body, 0, kind)
         return Shutdown()
     raise ProtocolViolation(f"unknown message type {kind[:64]!r}")
+
+
+def decode_supervisor_frames(
+    frames: Sequence[Any], *, max_len: int = DEFAULT_MAX_FRAME
+) -> list[SupervisorMessage]:
+    """Decode the frames of one message the supervisor sent (each a frame of its own, or
+    the parts of the ``call`` before them). A frame is ``bytes`` or a buffer (a zmq frame
+    received without a copy); a part becomes ``bytes``, its one copy. Raises
+    :class:`ProtocolViolation`: also for a call whose parts are missing, or whose frame and
+    parts exceed ``max_len`` in all."""
+    out: list[SupervisorMessage] = []
+    i, count = 0, len(frames)
+    while i < count:
+        frame = frames[i]
+        msg = decode_from_supervisor(frame, max_len=max_len)
+        i += 1
+        if type(msg) is CallMessage and msg.parts:
+            if count - i < msg.parts:
+                raise ProtocolViolation(
+                    f"call {msg.call_id} has {msg.parts} parts, and {count - i} follow it"
+                )
+            data = tuple(bytes(part) for part in frames[i : i + msg.parts])
+            i += msg.parts
+            total = len(frame) + sum(len(part) for part in data)
+            if total > max_len:
+                raise ProtocolViolation(
+                    f"call of {total} bytes with its parts exceeds the limit of {max_len}"
+                )
+            msg = _call_message(msg.call_id, msg.tool, msg.args, msg.acked, msg.parts, data)
+        out.append(msg)
+    return out

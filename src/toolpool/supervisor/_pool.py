@@ -35,6 +35,7 @@ from ..core import (
 )
 from ..protocol import (
     DEFAULT_MAX_FRAME,
+    pack_parts,
     pack_value,
 )
 from ..reaper import CloseReport, ReaperClient, finish_cleanup
@@ -636,16 +637,21 @@ class Pool(Channels, Hosting):
             )
         if provider.broken is not None:
             raise provider.broken
+        parts: list[bytes] = []
         if args is None:
             packed = _NO_ARGS  # (1 byte: it fits any max_frame)
         else:
             if type(args) is dict or isinstance(args, Mapping):
-                packed = pack_value(args if type(args) is dict else dict(args), "args")
+                # Large byte strings become parts, sent after the call's frame: a bytes is
+                # not copied (immutable), a bytearray once, now (a later change of the
+                # caller's does not reach the call).
+                packed, parts = pack_parts(args if type(args) is dict else dict(args), "args")
             else:
                 raise TypeError(f"args must be a mapping, not {type(args).__name__}")
-            if len(packed) > self.max_frame - 1024:
+            size = len(packed) + sum(len(p) for p in parts) if parts else len(packed)
+            if size > self.max_frame - 1024:
                 raise ValueError(
-                    f"args of {len(packed)} bytes exceed the {self.max_frame - 1024} bytes a "
+                    f"args of {size} bytes exceed the {self.max_frame - 1024} bytes a "
                     f"call can carry (max_frame={self.max_frame}, less 1,024 for the call's "
                     "own fields)"
                 )
@@ -660,6 +666,8 @@ class Pool(Channels, Hosting):
         now = time.monotonic()
         self._call_ids += 1
         record = CallRecord(self._call_ids, tool, packed, group and group._record, now)
+        if parts:
+            record._parts = tuple(parts)
         record._index = index
         call = self._faces[record.id] = Call(self._port, record)
         core.submit(record, timeout=timeout, now=now)

@@ -14,7 +14,7 @@ import anyio
 import zmq
 
 from .._transport import fd_of
-from ..protocol._ledger import LEDGER_SIZE, read_ledger, read_marks
+from ..protocol._ledger import LEDGER_SIZE, SPILL_AT, read_ledger, read_marks, spill_size
 from ..reaper._ahead import pythonpath
 from ..sandbox import Profile, _remove
 from ..sandbox import _cgroups as cgroups
@@ -65,6 +65,8 @@ class WorkerIO:
         "scopes",
         "scratch",
         "sock",
+        "spill_fd",
+        "spill_size",
         "wid",
     )
 
@@ -76,6 +78,10 @@ class WorkerIO:
         self.sock = sock
         self.ledger = ""  # its ledger file's path
         self.ledger_fd: int | None = ledger_fd  # its ledger file, read with pread
+        # The same file once its ledger was read (the worker is gone): its spill is read
+        # through it still, for the results recovered from the ledger.
+        self.spill_fd: int | None = None
+        self.spill_size = 0  # the spill's size, after the marks and slots
         self.members_file: str | None = None  # its cgroup's cgroup.procs: who is in its tree
         self.members_fd: int | None = None  # the same, kept open (v2: pread re-reads it)
         self.peak_fd: int | None = None  # its cgroup's peak memory file, kept open
@@ -92,7 +98,7 @@ class WorkerIO:
 
     def close_files(self) -> None:
         """Close its files and end its tasks (the reader closes the socket as it ends)."""
-        for name in ("peak_fd", "members_fd", "ledger_fd"):
+        for name in ("peak_fd", "members_fd", "ledger_fd", "spill_fd"):
             fd = getattr(self, name)
             if fd is not None:
                 os.close(fd)
@@ -136,13 +142,14 @@ def open_worker(
     endpoint = f"ipc://{sock_dir}/sock"
     ledger = os.path.join(sock_dir, "ledger")
     ledger_fd = os.open(ledger, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    os.ftruncate(ledger_fd, LEDGER_SIZE)
+    os.ftruncate(ledger_fd, LEDGER_SIZE + spill_size(max_frame))  # (sparse)
     sock: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
     sock.bind(endpoint)
     io = WorkerIO(wid, endpoint, sock, ledger_fd)
     io.ledger = ledger
+    io.spill_size = spill_size(max_frame)
     io.cleanup = [sock_dir]
     if cgroup_set is not None and cgroup_set.base:
         wc = cgroup_set.for_worker(wid, memory=profile.memory, max_processes=profile.max_processes)
@@ -211,14 +218,35 @@ class WorkerFiles:
         if io is None or io.ledger_fd is None:
             return None
         fd, io.ledger_fd = io.ledger_fd, None
+        io.spill_fd = fd  # (closed with the worker's files)
         try:
             data = os.pread(fd, LEDGER_SIZE, 0)
         except OSError:
             return None
-        finally:
-            os.close(fd)
         taken, invoked, kept = read_ledger(data)
         return (taken, invoked), kept
+
+    def spill(self, wid: int, offset: int, lengths: list[int]) -> list[bytes] | None:
+        """The parts a result names in w's spill: one ``pread`` each, straight into the
+        ``bytes`` that the result's value holds (its one copy on this side)."""
+        io = self.ios.get(wid)
+        if io is None:
+            return None
+        fd = io.ledger_fd if io.ledger_fd is not None else io.spill_fd
+        if fd is None or offset + sum(lengths) > io.spill_size:
+            return None
+        parts = []
+        at = SPILL_AT + offset
+        try:
+            for n in lengths:
+                part = os.pread(fd, n, at)
+                if len(part) != n:
+                    return None
+                parts.append(part)
+                at += n
+        except OSError:
+            return None
+        return parts
 
     def other_members(self, wid: int, pid: int | None) -> int | None:
         """How many processes other than the worker its cgroup lists (1 us with the v2 file

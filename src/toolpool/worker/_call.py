@@ -31,7 +31,8 @@ from ..core import (
     ToolDenied,
     cancel_with_runtime_cause,
 )
-from ..protocol import MAX_PROGRESS_MESSAGE
+from ..protocol import MAX_PROGRESS_MESSAGE, unpack_value
+from ..protocol._messages import _SCALARS, _extract, _refusable, _refused
 from ..schema import ToolSignature
 
 # --------------------------------------------------------------------------- results
@@ -59,6 +60,8 @@ class ToolResult:
     context: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Context that stages attached with ``execution.attach()``; kept whatever the outcome."""
     _packed_value: bytes | None = field(default=None, repr=False, compare=False)
+    _packed_parts: tuple[bytes, ...] = field(default=(), repr=False, compare=False)
+    """The parts of ``_packed_value`` (``protocol.pack_parts``): large byte strings."""
 
     def replace_content(self, *, value: Any = None, error: str | None = None) -> ToolResult:
         """A copy with new content (``value`` for ``ok``, ``error`` text otherwise).
@@ -66,7 +69,7 @@ class ToolResult:
         For content finalizers: outcome, flags and context cannot be changed.
         """
         if self.outcome is Outcome.OK:
-            return replace(self, value=value, _packed_value=None)
+            return replace(self, value=value, _packed_value=None, _packed_parts=())
         return replace(self, error=self.error if error is None else str(error))
 
 
@@ -432,6 +435,25 @@ def _snapshot(
     return msgpack.unpackb(packed, raw=False, strict_map_key=wire), packed
 
 
+def _snapshot_result(value: Any) -> tuple[Any, bytes, tuple[bytes, ...]]:
+    """:func:`_snapshot` of a result's value, without copying its large byte strings: each
+    ``bytes`` of at least ``PART_MIN`` bytes is its own snapshot (it is immutable), and a
+    ``bytearray`` is copied once, into the ``bytes`` the snapshot holds. Returns the snapshot,
+    its msgpack bytes and their parts (``protocol.pack_parts``: sent without another copy)."""
+    if type(value) in _SCALARS:  # (None, a number, a str: no part in it)
+        snapshot, packed = _snapshot(value)
+        return snapshot, packed, ()
+    parts: list[bytes] = []
+    out = _extract(value, parts, 0)
+    if not parts:
+        snapshot, packed = _snapshot(value)
+        return snapshot, packed, ()
+    if _refusable(value):  # (an ext of the tool's own would pass for a part)
+        raise TypeError(_refused(value, "the value"))
+    packed = msgpack.packb(out, use_bin_type=True)
+    return unpack_value(packed, len(packed), parts), packed, tuple(parts)
+
+
 class DecodedArgs(dict[str, Any]):
     """Arguments just decoded from msgpack (the worker's, from a call message): nobody else
     holds them and they are what a snapshot would make, so freezing them takes no copy."""
@@ -477,7 +499,7 @@ def _freeze_context(context: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _ok(run: _Run, value: Any, *, started: bool) -> ToolResult:
     try:
-        snapshot, packed = _snapshot(value)
+        snapshot, packed, parts = _snapshot_result(value)
     except Exception as exc:
         return _error(
             run.tool,
@@ -495,6 +517,7 @@ def _ok(run: _Run, value: Any, *, started: bool) -> ToolResult:
         body_started=started,
         context=_freeze_context(run.context),
         _packed_value=packed,
+        _packed_parts=parts,
     )
 
 
@@ -585,8 +608,8 @@ def _finalize(finalizer: ContentFinalizer | None, candidate: ToolResult) -> Tool
         if not isinstance(final, ToolResult):
             raise TypeError(f"returned {type(final).__name__}, not a ToolResult")
         if final.outcome is Outcome.OK:
-            value, packed = _snapshot(final.value)
-            return replace(candidate, value=value, _packed_value=packed)
+            value, packed, parts = _snapshot_result(final.value)
+            return replace(candidate, value=value, _packed_value=packed, _packed_parts=parts)
         return replace(candidate, error=final.error)
     except Exception as exc:
         return replace(
@@ -594,6 +617,7 @@ def _finalize(finalizer: ContentFinalizer | None, candidate: ToolResult) -> Tool
             outcome=Outcome.ERROR,
             value=None,
             _packed_value=None,
+            _packed_parts=(),
             error=f"Error: content finalizer failed: {type(exc).__name__}: {_text(exc)}",
             error_name=type(exc).__name__,
         )

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, Final, NamedTuple
@@ -47,6 +48,8 @@ from ..protocol import (
     StartedMessage,
     Withdrawn,
     encode,
+    pack_value,
+    unpack_value,
 )
 from ..protocol._ledger import SLOT_PAYLOAD, SLOTS
 
@@ -61,6 +64,7 @@ __all__ = (
     "Phase",
     "RunCall",
     "SendFrames",
+    "SpillParts",
     "WorkerAction",
     "WorkerMachine",
 )
@@ -129,6 +133,14 @@ class KeepResult(NamedTuple):
     frame: bytes
 
 
+class SpillParts(NamedTuple):
+    """Write a result's ``parts`` back to back at offset ``at`` of the ledger's spill (before
+    its slot is written and before it is sent)."""
+
+    at: int
+    parts: tuple[bytes, ...]
+
+
 class FireCancel(NamedTuple):
     """Cancel the running call's signal with ``cause`` (outside any lock of the shell's: its
     callbacks may wait on the event loop)."""
@@ -145,7 +157,7 @@ class RunCall(NamedTuple):
     mark: bool
 
 
-WorkerAction = SendFrames | RunCall | MarkInvoked | KeepResult | FireCancel
+WorkerAction = SendFrames | RunCall | MarkInvoked | KeepResult | SpillParts | FireCancel
 #: No action (the most frequent answer: shared, never changed).
 _NONE: Final[Sequence[WorkerAction]] = ()
 
@@ -162,9 +174,14 @@ class WorkerMachine:
         ledger: bool,
         heartbeat: float = 0.0,
         allow_background: bool = False,
+        spill: int = 0,
     ) -> None:
         self.max_frame = max_frame
         self.ledger = ledger  # results can be kept (the shell has a ledger)
+        # The ledger's spill (bytes): the parts of kept results' values, used as a ring; each
+        # region (its result's number, start, end) is free again once that result is acked.
+        self.spill = spill if ledger else 0
+        self.spilled: collections.deque[tuple[int, int, int]] = collections.deque()
         self.allow_background = allow_background  # leftovers are allowed: never hold
         self.phase = _IDLE
         self.queue: collections.deque[CallMessage] = collections.deque()
@@ -211,6 +228,13 @@ class WorkerMachine:
         _require(all(seq <= self.results for seq in kept), self.slots)
         _require(len(self.pending) <= HOLD_BACK, len(self.pending))
         _require(self.ledger or not self.pending, "held back a result without a ledger")
+        # Spilled regions lie in the spill, in order of their results, and never overlap.
+        regions = list(self.spilled)
+        _require(all(0 <= a < b <= self.spill for _, a, b in regions), regions)
+        _require(all(s <= self.results for s, _, _ in regions), regions)
+        _require(all(x[0] < y[0] for x, y in itertools.pairwise(regions)), regions)
+        spans = sorted((a, b) for _, a, b in regions)
+        _require(all(x[1] <= y[0] for x, y in itertools.pairwise(spans)), regions)
 
     @property
     def done(self) -> bool:
@@ -285,10 +309,11 @@ class WorkerMachine:
             return out
         return self.flush()
 
-    def conclude(self, reply: ResultMessage) -> Sequence[WorkerAction]:
+    def conclude(self, reply: ResultMessage, parts: Sequence[bytes] = ()) -> Sequence[WorkerAction]:
         """The running call is over with ``reply`` (its ``leftovers`` counted by the shell;
         ``extras`` changed in place): keep it in a ledger slot if one is free and it fits,
-        and send it, or hold it back while another call is queued."""
+        and send it, or hold it back while another call is queued. ``parts``: those of its
+        packed value (``protocol.pack_parts``), kept in the spill where there is room."""
         call_id = reply.call_id
         if self.current != call_id:
             raise IllegalPhaseMove(f"worker: concluded call {call_id}, not {self.current}")
@@ -303,6 +328,27 @@ class WorkerMachine:
         # twice to find out).
         slot = None if len(reply.value or b"") > SLOT_PAYLOAD else self._free_slot()
         self.results += 1
+        spill_at = None
+        if parts:
+            need = sum(len(p) for p in parts)
+            if slot is not None and len(reply.value or b"") + need <= self.max_frame - 1024:
+                spill_at = self._spill_room(need)
+            if spill_at is not None:
+                extras["spill"] = [spill_at, [len(p) for p in parts]]
+                extras["kept"] = True
+                if len(encode(reply)) + need > self.max_frame:
+                    # With its output or context, the result and its parts exceed max_frame:
+                    # inline, so that within() below cuts them as it always did.
+                    del extras["spill"]
+                    spill_at = None
+            if spill_at is None:
+                # No room (or too large, or no slot): the value goes inline, as without a
+                # spill; a copy, on a rare path (within() below cuts what is too large).
+                value = unpack_value(reply.value or b"\xc0", self.max_frame, parts)
+                reply = dataclasses.replace(reply, value=pack_value(value))
+                slot = None if len(reply.value or b"") > SLOT_PAYLOAD else slot
+            else:
+                self.spilled.append((self.results, spill_at, spill_at + need))
         extras["kept"] = slot is not None
         frame = encode(reply)
         if len(frame) > self.max_frame:
@@ -311,6 +357,10 @@ class WorkerMachine:
             reply = within(reply, len(frame), self.max_frame)
             frame = encode(reply)
         out: list[WorkerAction] = []
+        if spill_at is not None:
+            # The parts first: the supervisor reads them where the result says, whether or
+            # not its frame fits the slot.
+            out.append(SpillParts(spill_at, tuple(parts)))
         if slot is not None and len(frame) <= SLOT_PAYLOAD:
             out.append(KeepResult(slot, self.results, frame))
             self.slots[slot] = self.results
@@ -400,6 +450,23 @@ class WorkerMachine:
                 self.queue.remove(queued)
                 self._send(out, encode(Withdrawn(call_id)))
                 return
+
+    def _spill_room(self, need: int) -> int | None:
+        """Where in the spill a result's ``need`` bytes of parts go (None: no room until
+        the supervisor acknowledges more). The regions of acknowledged results are free."""
+        spilled = self.spilled
+        while spilled and spilled[0][0] <= self.acked:
+            spilled.popleft()
+        if need > self.spill:
+            return None
+        if not spilled:
+            return 0
+        first, last_start, last_end = spilled[0][1], spilled[-1][1], spilled[-1][2]
+        if last_start >= first:  # in order: room after the last, or before the first
+            if self.spill - last_end >= need:
+                return last_end
+            return 0 if first >= need else None
+        return last_end if first - last_end >= need else None  # wrapped: room between
 
     def _free_slot(self) -> int | None:
         """A ledger slot whose result the supervisor has received, if any."""

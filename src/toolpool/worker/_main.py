@@ -114,7 +114,10 @@ def open_ledger(path: str) -> mmap.mmap | None:
         return None
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
-        return mmap.mmap(fd, LEDGER_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # The whole file: the marks and slots (LEDGER_SIZE), then the spill (its size is the
+        # supervisor's to choose).
+        size = max(os.fstat(fd).st_size, LEDGER_SIZE)
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
 

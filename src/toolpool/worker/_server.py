@@ -51,10 +51,12 @@ from ..protocol import (
     ProtocolViolation,
     ResultMessage,
     decode_from_supervisor,
+    decode_supervisor_frames,
+    pack_parts,
     pack_value,
     unpack_value,
 )
-from ..protocol._ledger import write_invoked, write_slot, write_taken
+from ..protocol._ledger import LEDGER_SIZE, write_invoked, write_parts, write_slot, write_taken
 from ..sandbox._cgroups import others_listed
 from ..sandbox._linux import child_pids, reap_zombies
 from ._call import DecodedArgs
@@ -65,6 +67,7 @@ from ._machine import (
     MarkInvoked,
     RunCall,
     SendFrames,
+    SpillParts,
     WorkerAction,
     WorkerMachine,
 )
@@ -127,7 +130,10 @@ class _Server:
         self.pid = _pid[0]
         # The decisions: what each message and each call means (``_machine.py``).
         self.machine = WorkerMachine(
-            max_frame=max_frame, ledger=ledger is not None, heartbeat=heartbeat
+            max_frame=max_frame,
+            ledger=ledger is not None,
+            heartbeat=heartbeat,
+            spill=0 if ledger is None else len(ledger) - LEDGER_SIZE,
         )
         self.current: tuple[int, CancelController] | None = None
         self.taken_at = 0.0  # when the current call was taken up
@@ -149,6 +155,7 @@ class _Server:
         self._fd = fd_of(sock)
         self._readable = readable
         self._noblock = zmq.NOBLOCK
+        self._rcvmore = zmq.RCVMORE
         self._loop: asyncio.AbstractEventLoop | None = None  # for calls with stages, async
         # Liveness: a heartbeat every `heartbeat` seconds (0: none), sent by whichever thread
         # has the socket: the control thread while a call runs, the main thread otherwise.
@@ -164,7 +171,6 @@ class _Server:
 
     def serve(self) -> None:
         control = start_thread_blocking_signals(self._control, "toolpool control")
-        sock = self.sock
         try:
             while True:
                 with self.mu:
@@ -185,7 +191,7 @@ class _Server:
                 # keeps off the socket: wait in zmq itself (no edge of its fd to miss), at
                 # most a heartbeat interval (RCVTIMEO).
                 try:
-                    frames = sock.recv_multipart()
+                    frames = self._recv(0)
                 except self._again:
                     # A heartbeat interval without a call: the next call's CPU is read
                     # afresh (what the worker's threads spent idle is not its).
@@ -229,14 +235,14 @@ class _Server:
         extras = self._extras(before)
         if self.capture is not None:
             extras["output"], extras["output_dropped"] = self.capture.collect(call_id)
-        reply = self._reply(call_id, result, extras)
+        reply, parts = self._reply(call_id, result, extras)
         with self.mu:
             # Kept in the ledger and sent; or, while another call is queued, held back to go
             # with the next ones in one go (one wake-up of each side's zmq thread for several),
             # unless that call takes time (the control thread sends them then).
             self.current = None
             self.active_at = time.monotonic()
-            self._perform(self.machine.conclude(reply))
+            self._perform(self.machine.conclude(reply, parts))
             # The control thread waits on the socket with no timeout once it said 'started'.
             wake = self.watching and self.machine.said_started == call_id
             self.watching = False
@@ -336,15 +342,30 @@ class _Server:
         while self._readable(sock):
             # All parts of one message (the calls sent together): one check of the socket's
             # events per message, not per frame.
-            self._handle_frames(sock.recv_multipart(self._noblock))
+            self._handle_frames(self._recv(self._noblock))
 
-    def _handle_frames(self, frames: list[bytes]) -> None:
-        for frame in frames:
-            try:
-                msg = decode_from_supervisor(frame, max_len=self.max_frame)
-            except ProtocolViolation:
-                traceback.print_exc()
-                os._exit(EXIT_PROTOCOL)
+    def _recv(self, flags: int) -> list[Any]:
+        """One message: its first frame as bytes, the others as zmq frames, received without
+        a copy (the parts of a call's arguments are copied once, into the bytes the tool
+        gets; a frame that is a message is decoded from the zmq frame itself)."""
+        sock = self.sock
+        frames: list[Any] = [sock.recv(flags)]
+        while sock.getsockopt(self._rcvmore):
+            frames.append(sock.recv(flags, copy=False))
+        return frames
+
+    def _handle_frames(self, frames: list[Any]) -> None:
+        try:
+            if len(frames) == 1:  # (most messages: one frame, no parts)
+                msg = decode_from_supervisor(frames[0], max_len=self.max_frame)
+                if type(msg) is not CallMessage or not msg.parts:
+                    self._handle(msg)
+                    return
+            messages = decode_supervisor_frames(frames, max_len=self.max_frame)
+        except ProtocolViolation:
+            traceback.print_exc()
+            os._exit(EXIT_PROTOCOL)
+        for msg in messages:
             self._handle(msg)
 
     def _handle(self, msg: Any) -> None:
@@ -375,6 +396,9 @@ class _Server:
             elif isinstance(action, KeepResult):
                 assert self.ledger is not None
                 write_slot(self.ledger, action.slot, action.seq, action.frame)
+            elif isinstance(action, SpillParts):
+                assert self.ledger is not None
+                write_parts(self.ledger, action.at, action.parts)
             elif isinstance(action, MarkInvoked):
                 assert self.ledger is not None
                 write_invoked(self.ledger, action.call_id)
@@ -465,7 +489,7 @@ class _Server:
 
     def _args(self, msg: CallMessage) -> Any:
         try:
-            args = unpack_value(msg.args, self.max_frame)
+            args = unpack_value(msg.args, self.max_frame, msg.data)
         except ValueError as exc:
             return exc  # the registry turns a non-mapping into an ordinary `error`
         # Fresh from msgpack, held by nobody else: the registry freezes them without a copy.
@@ -477,9 +501,12 @@ class _Server:
             extras["started_at"] = self.started_at
         return extras
 
-    def _reply(self, call_id: int, result: Any, extras: dict[str, Any]) -> ResultMessage:
+    def _reply(
+        self, call_id: int, result: Any, extras: dict[str, Any]
+    ) -> tuple[ResultMessage, Sequence[bytes]]:
         """The call is over: count its leftovers (one wait call, if it has no child); its
-        result message (the machine keeps it in the ledger, and sends it or holds it back)."""
+        result message (the machine keeps it in the ledger, and sends it or holds it back)
+        and the parts of its value (the machine puts them in the ledger's spill)."""
         kept = helpers()
         self._had_children = _has_children()
         leftovers = len(set(_children()) - kept) if self._had_children else 0
@@ -492,8 +519,11 @@ class _Server:
             except OSError:
                 leftovers = 0
         packed = result._packed_value
+        parts: Sequence[bytes] = result._packed_parts
         if packed is None and result.value is not None:
-            packed = pack_value(result.value)
+            packed, parts = pack_parts(result.value)
+        if parts and self.ledger is None:  # no spill: the value goes inline
+            packed, parts = pack_value(unpack_value(packed, self.max_frame, parts)), ()
         return ResultMessage(
             call_id,
             result.outcome.value,
@@ -504,7 +534,7 @@ class _Server:
             dict(result.context),
             leftovers,
             extras,
-        )
+        ), parts
 
 
 def _children() -> list[int]:

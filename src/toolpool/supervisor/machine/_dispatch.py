@@ -113,7 +113,12 @@ class Dispatch:
             acked = w.results
             frames = []
             for call in calls:
-                frames.append(encode_call(call.id, call.tool, call._args, acked))
+                parts = call._parts
+                if parts:  # the frame, then its parts (zmq sends them without a copy)
+                    frames.append(encode_call(call.id, call.tool, call._args, acked, len(parts)))
+                    frames.extend(parts)
+                else:
+                    frames.append(encode_call(call.id, call.tool, call._args, acked))
                 call._times["dispatched"] = now
             out.append(_new_send(Send, (w.wid, frames, tuple(calls))))
         if p.spec.prefetch:

@@ -104,6 +104,7 @@ class CallRecord:
         "_index",
         "_laddering",
         "_owner",
+        "_parts",
         "_progress",
         "_provider",
         "_queued",
@@ -127,6 +128,7 @@ class CallRecord:
         self.tool = tool
         """The tool's name."""
         self._args = args  # msgpack of the arguments, as sent
+        self._parts: tuple[bytes, ...] = ()  # their parts (large byte strings), sent after it
         self._group = group
         self._index: int | None = None  # its position in a map's input (Result.index)
         self._state = CallState.QUEUED

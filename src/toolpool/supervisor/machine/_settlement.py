@@ -254,12 +254,21 @@ class Settlement:
             raise ProtocolViolation(f"result for call {msg.call_id}, which it does not own")
         w.results += 1
         value = msg.value
+        extras = msg.extras
         if value is not None:
-            # (b"\xc0" is msgpack's nil: a body that returned None, no unpack needed)
-            value = None if value == b"\xc0" else unpack_value(value, self.s.config.max_frame)
+            spill = extras.get("spill")
+            if spill is not None:
+                # Its value's parts lie in its ledger's spill (checked by the decoder: at most
+                # max_frame bytes in all; the probe checks they are within the file).
+                parts = self.s.probe.spill(w.wid, spill[0], spill[1])
+                if parts is None:
+                    raise ProtocolViolation("its result names parts beyond its spill")
+                value = unpack_value(value, self.s.config.max_frame, parts)
+            else:
+                # (b"\xc0" is msgpack's nil: a body that returned None, no unpack needed)
+                value = None if value == b"\xc0" else unpack_value(value, self.s.config.max_frame)
         times = call._times
         now = times["returned"] = self.s.now
-        extras = msg.extras
         if msg.body_started:
             call._started = True
             started_at = extras.get("started_at")

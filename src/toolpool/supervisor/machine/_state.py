@@ -152,6 +152,10 @@ class Probe(Protocol):
     def ledger(self, wid: int) -> tuple[tuple[int, int], list[tuple[int, bytes]]] | None:
         """Once the worker is gone: its marks and the results it kept, then forget it."""
 
+    def spill(self, wid: int, offset: int, lengths: list[int]) -> list[bytes] | None:
+        """The parts a result names in the worker's spill: ``lengths`` bytes each, back to
+        back from ``offset``; None if they are not all within it (or it cannot be read)."""
+
     def other_members(self, wid: int, pid: int | None) -> int | None:
         """How many processes other than ``pid`` its cgroup holds; None without a cgroup."""
 
