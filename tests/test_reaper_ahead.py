@@ -129,6 +129,18 @@ def test_a_forked_child_never_adopts_nor_ends_its_parents() -> None:
     assert parent_pool_reaper == ahead_pid  # still alive after the child, and adopted
 
 
+def _eval_debug(*args: str) -> subprocess.CompletedProcess[str]:
+    """``toolpool --log-level debug eval ARGS --json``, run as users run it."""
+    return subprocess.run(
+        [sys.executable, "-m", "toolpool", "--log-level", "debug", "eval", *args, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def test_toolpool_eval_adopts_the_reaper_it_started_first(tmp_path: Path) -> None:
     problems = tmp_path / "problems.jsonl"
     problems.write_text(
@@ -144,28 +156,8 @@ def test_toolpool_eval_adopts_the_reaper_it_started_first(tmp_path: Path) -> Non
     )
     samples = tmp_path / "samples.jsonl"
     samples.write_text(json.dumps({"task_id": "t/0", "completion": "    return a + b\n"}) + "\n")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "toolpool",
-            "--log-level",
-            "debug",
-            "eval",
-            str(problems),
-            str(samples),
-            "-o",
-            str(tmp_path / "results.jsonl"),
-            "--workers",
-            "1",
-            "--json",
-            "--no-progress",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    done = _eval_debug(
+        str(problems), str(samples), "-o", str(tmp_path / "results.jsonl"), "--workers", "1"
     )
     assert done.returncode == 0, done.stderr
     assert "the reaper started ahead (pid" in done.stderr, done.stderr
@@ -175,24 +167,8 @@ def test_toolpool_eval_adopts_the_reaper_it_started_first(tmp_path: Path) -> Non
 def test_a_command_that_fails_first_leaves_no_reaper(tmp_path: Path) -> None:
     samples = tmp_path / "samples.jsonl"
     samples.write_text("")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "toolpool",
-            "--log-level",
-            "debug",
-            "eval",
-            str(tmp_path / "no-such-problems.jsonl"),
-            str(samples),
-            "-o",
-            str(tmp_path / "r.jsonl"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    done = _eval_debug(
+        str(tmp_path / "no-such-problems.jsonl"), str(samples), "-o", str(tmp_path / "r.jsonl")
     )
     assert done.returncode == 2, done.stderr
     found = re.search(r"reaper ahead \(pid (\d+)\)", done.stderr)

@@ -7,8 +7,9 @@ for the checker's (the worker's registry)."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
 
 if TYPE_CHECKING:
     from ._checker import Candidate, CandidateError, SampleVerdict
@@ -46,14 +47,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, globals(), __all__)

@@ -7,8 +7,9 @@ the worker's template modules it may fork from): it never imports the supervisor
 supervisor's side of it is :class:`ReaperClient`. The messages are in ``docs/protocol.md``.
 """
 
-import importlib as _importlib
 import typing as _typing
+
+from .._lazy import lazy_names
 
 if _typing.TYPE_CHECKING:
     from ._ahead import REAPER_ENV, SCRIPT, reaper_env
@@ -28,14 +29,4 @@ _EXPORTS: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> _typing.Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    obj = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = obj
-    return obj
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals(), __all__)

@@ -7,8 +7,9 @@ not the executor's or the sync face's: ``tests/test_imports.py``).
 
 from __future__ import annotations
 
-import importlib as _importlib
 import typing as _typing
+
+from .._lazy import lazy_names
 
 # isort: off
 if _typing.TYPE_CHECKING:
@@ -115,14 +116,4 @@ __all__ = (
 )
 
 
-def __getattr__(name: str) -> _typing.Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    obj = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = obj
-    return obj
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals(), __all__)
