@@ -309,6 +309,36 @@ def test_the_command_resumes_after_sigint_and_after_sigkill(tmp_path: Path) -> N
     assert _strays() == []
 
 
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_the_workers_start_is_an_interrupt_not_an_error(tmp_path: Path) -> None:
+    """SIGINT as the pool starts (its reaper is being adopted; the workers take tens of
+    milliseconds more): the command stops as interrupted (130), saying so, with nothing
+    left. It used to look for a results file the batch never opened (FileNotFoundError, 2).
+    Sent later, once samples run, the same holds: either way 130."""
+    problems, samples = _example_files(tmp_path)
+    results = tmp_path / "results.jsonl"
+    argv = [*CLI, "--log-level", "debug", "eval", str(problems), str(samples), "-o", str(results)]
+    with _nothing_left():
+        process = subprocess.Popen(
+            [*argv, "--workers", "2", "--json", "--no-progress"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert process.stderr is not None
+        err = []
+        for line in process.stderr:
+            err.append(line)
+            if "is this pool's" in line:  # (the pool's start, before any worker is up)
+                process.send_signal(signal.SIGINT)
+                break
+        out, rest = process.communicate(timeout=60)
+    err.append(rest)
+    assert process.returncode == 130, "".join(err)
+    assert json.loads(out)["interrupted"] is True
+
+
 @pytest.mark.anyio
 @pytest.mark.timeout(120)
 async def test_mbpp_problems_gzipped_samples_and_bad_lines(tmp_path: Path) -> None:

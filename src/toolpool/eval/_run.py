@@ -222,10 +222,15 @@ def _check_secret(problems: str) -> None:
             )
 
 
-def score(path: str, ks: Sequence[int]) -> tuple[Counter[str], dict[TaskId, ProblemScore]]:
-    """Verdict counts and per-problem scores of the records in the results file ``path``."""
+def score(
+    path: str, ks: Sequence[int], *, missing_ok: bool = False
+) -> tuple[Counter[str], dict[TaskId, ProblemScore]]:
+    """Verdict counts and per-problem scores of the records in the results file ``path``
+    (``missing_ok``: no file is no record)."""
     verdicts: Counter[str] = Counter()
     counts: dict[TaskId, list[int]] = {}
+    if missing_ok and not os.path.exists(path):
+        return verdicts, {}
     with open(path, "rb") as f:
         for raw in f:
             try:
@@ -305,7 +310,8 @@ async def run(
     )
     batch = Batch(options, say=say, watcher=watcher, source=source, record=source.record)
     summary = await batch.run()
-    verdicts, scores = score(output, ks)
+    # (stopped while the workers started: the batch wrote no results file)
+    verdicts, scores = score(output, ks, missing_ok=summary.interrupted)
     overall = mean_pass_at_k(((s.n, s.passed) for s in scores.values()), ks)
     return EvalReport(summary=summary, verdicts=verdicts, problems=scores, pass_at_k=overall)
 
