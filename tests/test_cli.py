@@ -35,6 +35,34 @@ def toolpool(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str
 
 
 @pytest.mark.timeout(90)
+def test_tools_leaves_the_user_modules_teardown_to_run(tmp_path: Path) -> None:
+    """``toolpool tools`` imports the user's module into the command's own process: its exit
+    is the interpreter's usual one, so what that module leaves to the teardown (a buffered
+    file flushed as it is collected) still happens. (Other commands end with ``os._exit``.)"""
+    written = tmp_path / "written.txt"
+    (tmp_path / "teardown_tools.py").write_text(
+        "from toolpool import Registry\n"
+        f"log = open({str(written)!r}, 'w')  # never closed: flushed at the teardown\n"
+        "log.write('imported\\n')\n"
+        "registry = Registry()\n"
+        "@registry.tool\n"
+        "def noop() -> None:\n"
+        "    return None\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "toolpool", "tools", "teardown_tools:registry"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)[0]["name"] == "noop"
+    assert written.read_text() == "imported\n"
+
+
+@pytest.mark.timeout(90)
 def test_tools_lists_the_catalog_with_schemas() -> None:
     done = toolpool("tools", EXAMPLES)
     assert done.returncode == 0, done.stderr

@@ -934,6 +934,8 @@ def _table(rows: Sequence[Sequence[str]], *, wrap: Mapping[int, int]) -> str:
 def _tools(ns: argparse.Namespace) -> int:
     from .worker._main import load_registry
 
+    global _user_code_loaded
+    _user_code_loaded = True
     registry = load_registry(ns.spec)
     print(json.dumps([dict(d) for d in registry.catalog.values()], indent=2))
     return 0
@@ -964,12 +966,21 @@ def _put_cwd_on_path() -> None:
         sys.path.insert(0, cwd)
 
 
+#: Set by a command that imported user code into this process (``toolpool tools``).
+_user_code_loaded = False
+
+
 def console() -> NoReturn:
     """The ``toolpool`` command and ``python -m toolpool``: :func:`main`, then out, skipping
-    the interpreter's teardown once the command's work is over (``_exit.leave``)."""
+    the interpreter's teardown once the command's work is over (``_exit.leave``). A command
+    that imported user code here exits the usual way: that code may count on the teardown
+    (a buffered file flushed as it is collected, a temporary file removed)."""
     from ._exit import leave
 
-    leave(main())
+    status = main()
+    if _user_code_loaded:
+        sys.exit(status)
+    leave(status)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,6 +23,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Final
 
@@ -93,24 +94,37 @@ class Ahead:
         self.paths: tuple[str, ...] | None = None
 
     def discard(self) -> None:
-        """Kill it and wait for it: it has no worker, and nothing else to end."""
+        """Kill it and wait for it: it has no worker, and nothing else to end. One that does
+        not die of SIGKILL within :data:`DISCARD_WAIT` (uninterruptible sleep: a hung mount
+        on its path) is left to a daemon thread to reap, and said."""
         self.sock.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc.poll() is not None:
+            return
+        self.proc.kill()
+        try:
+            self.proc.wait(DISCARD_WAIT)
+        except subprocess.TimeoutExpired:
+            pid = self.proc.pid
+            _log.warning("the reaper started ahead (pid %s) did not die of SIGKILL yet", pid)
+            threading.Thread(target=self.proc.wait, daemon=True).start()
 
+
+#: Seconds a discarded reaper has to die of SIGKILL before it is left to a thread to reap.
+DISCARD_WAIT: Final = 5.0
 
 _ahead: Ahead | None = None
+_lock = threading.Lock()  # (a pool started in another thread meanwhile: one adopts it)
 _log = logging.getLogger("toolpool")
 
 
 def start_ahead() -> None:
     """Start the reaper of this process's next pool now (once; see the module's text)."""
     global _ahead
-    if _ahead is not None:
-        return
-    proc, sock = launch()
-    _ahead = Ahead(proc, sock)
+    with _lock:
+        if _ahead is not None:
+            return
+        proc, sock = launch()
+        _ahead = Ahead(proc, sock)
     _log.debug("started the next pool's reaper ahead (pid %s)", proc.pid)
 
 
@@ -137,7 +151,8 @@ def take_ahead(paths: Sequence[str] | None) -> Ahead | None:
     preload from another path, or that is gone already, is discarded.
     """
     global _ahead
-    ahead, _ahead = _ahead, None
+    with _lock:
+        ahead, _ahead = _ahead, None
     if ahead is None:
         return None
     if ahead.owner != os.getpid():  # (after_in_child forgets it; this is a second guard)
@@ -153,13 +168,15 @@ def take_ahead(paths: Sequence[str] | None) -> Ahead | None:
 def discard_ahead() -> None:
     """End the reaper started ahead if no pool adopted it (a command that failed first)."""
     global _ahead
-    ahead, _ahead = _ahead, None
+    with _lock:
+        ahead, _ahead = _ahead, None
     if ahead is not None and ahead.owner == os.getpid():
         ahead.discard()
 
 
 def _forget_in_child() -> None:
-    global _ahead
+    global _ahead, _lock
+    _lock = threading.Lock()  # (perhaps held by another thread of the parent at the fork)
     ahead, _ahead = _ahead, None
     if ahead is not None:
         ahead.sock.close()  # our copy only: the parent's reaper is the parent's

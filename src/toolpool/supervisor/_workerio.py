@@ -123,6 +123,7 @@ class WorkerIO:
                 except Exception:
                     pass
                 sock.close(linger=0)
+            self.monitor = None
 
 
 def open_worker(

@@ -77,6 +77,16 @@ def run(argv: Sequence[str], env: Mapping[str, str], base_path: Sequence[str]) -
     """
     code: int = 1
     try:
+        code = _become(argv, env, base_path)
+    finally:  # (whatever was raised, and wherever: the process ends here)
+        # What the interpreter does at exit (non-daemon threads waited for, atexit), then out.
+        leave(code)
+
+
+def _become(argv: Sequence[str], env: Mapping[str, str], base_path: Sequence[str]) -> int:
+    """:func:`run`'s work: the worker's exit status (1 where it failed, said on stderr)."""
+    code = 1
+    try:
         os.environ.clear()
         os.environ.update(env)
         if env.get("PYTHONUNBUFFERED"):  # as a fresh interpreter would read it
@@ -113,8 +123,7 @@ def run(argv: Sequence[str], env: Mapping[str, str], base_path: Sequence[str]) -
             traceback.print_exc()
         except BaseException:
             pass
-    # What the interpreter does at exit (non-daemon threads waited for, atexit), then out.
-    leave(code)
+    return code
 
 
 def _exit_code(value: object) -> int:
