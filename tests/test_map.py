@@ -172,16 +172,27 @@ async def test_a_cancelled_consumer_gets_its_cancellation_at_once() -> None:
         # The naps never end by themselves: this always times out. 3 s, not less: the map
         # must have submitted all three by then, on a loaded machine too (a full suite run
         # beside a simulation once saw only two submitted after 0.5 s).
-        with anyio.move_on_after(3.0) as scope:
-            await results.__anext__()
-        assert scope.cancelled_caught
         # (white box: to see each call's cause; the group's record holds the machine's
-        # records of its calls, the port their faces)
-        port = results._pool
-        faces = (port.call_of(record.id) for record in results._group._record._calls)
-        calls = [call for call in faces if call is not None]
-        assert len(calls) == 3
-        assert not all(c.done() for c in calls)  # a cooperative cancel takes a round trip
+        # records of its calls, the port their faces, and only while a call is unsettled:
+        # taken as soon as the map submitted them, before any can settle)
+        calls: list[Any] = []
+
+        async def take_the_calls() -> None:  # (runs once __anext__ submitted and waits)
+            port = results._pool
+            calls.extend(port.call_of(record.id) for record in results._group._record._calls)
+
+        done_at_cancel: list[bool] = []
+        with anyio.move_on_after(3.0) as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(take_the_calls)
+                try:
+                    await results.__anext__()
+                finally:  # (no checkpoint since the cancel: no reply read meanwhile)
+                    done_at_cancel = [c.done() for c in calls]
+        assert scope.cancelled_caught
+        assert len(calls) == 3, calls
+        assert None not in calls, calls
+        assert not all(done_at_cancel)  # a cooperative cancel takes a round trip
         await results.aclose()
         assert pool.statistics().in_flight == 0
         for call in calls:
