@@ -32,7 +32,7 @@ from ..core import (
     cancel_with_runtime_cause,
 )
 from ..protocol import MAX_PROGRESS_MESSAGE, unpack_value
-from ..protocol._messages import _SCALARS, _extract, _refusable, _refused
+from ..protocol._values import extract_parts
 from ..schema import ToolSignature
 
 # --------------------------------------------------------------------------- results
@@ -440,16 +440,10 @@ def _snapshot_result(value: Any) -> tuple[Any, bytes, tuple[bytes, ...]]:
     ``bytes`` of at least ``PART_MIN`` bytes is its own snapshot (it is immutable), and a
     ``bytearray`` is copied once, into the ``bytes`` the snapshot holds. Returns the snapshot,
     its msgpack bytes and their parts (``protocol.pack_parts``: sent without another copy)."""
-    if type(value) in _SCALARS:  # (None, a number, a str: no part in it)
-        snapshot, packed = _snapshot(value)
-        return snapshot, packed, ()
-    parts: list[bytes] = []
-    out = _extract(value, parts, 0)
+    out, parts = extract_parts(value)
     if not parts:
         snapshot, packed = _snapshot(value)
         return snapshot, packed, ()
-    if _refusable(value):  # (an ext of the tool's own would pass for a part)
-        raise TypeError(_refused(value, "the value"))
     packed = msgpack.packb(out, use_bin_type=True)
     return unpack_value(packed, len(packed), parts), packed, tuple(parts)
 
