@@ -293,6 +293,9 @@ async def _litter_then_exit(pool: Any, threat: Threat, marker: str) -> Observed:
     """A tool litters its scratch directory and ends its worker while a bystander call runs
     in another worker: the reaper must survive, remove it all, and the bystander be served."""
     reaper = pool.reaper_pid
+    # Every worker up first: the call must land on one whose directory is noted below, not
+    # on the replacement of one an earlier threat killed, still starting (then unknown).
+    await _workers_up(pool, pool.size)
     base, outside = _outside_file()
     try:
         bystander = pool.submit("cooperative", {"seconds": 120.0})
@@ -319,7 +322,7 @@ async def _litter_then_exit(pool: Any, threat: Threat, marker: str) -> Observed:
         shutil.rmtree(base, ignore_errors=True)
     bad = [name for name, ok in facts.items() if not ok]
     text = f"{result.outcome.value}; bystander {by.outcome.value}; scratch "
-    text += "removed" if removed else "left"
+    text += "unknown" if scratch is None else "removed" if removed else "left"
     return Observed(text + (f"; FAILED: {', '.join(bad)}" if bad else ""), facts)
 
 
@@ -481,12 +484,18 @@ def _ready_pids(pool: Any) -> list[int]:
     return [w.pid for w in pool._core.live_workers() if w.answered and w.pid is not None]
 
 
+async def _workers_up(pool: Any, n: int) -> None:
+    """Until ``n`` workers have said hello (an earlier threat's victim is replaced on the
+    loop's next turn, then starts), or 60 s passed."""
+    with anyio.move_on_after(60):
+        while len(_ready_pids(pool)) < n:
+            await pool._wait_changed()
+
+
 async def _signal_sibling(pool: Any, threat: Threat, marker: str) -> Observed:
     """Signal a sibling worker: a second worker must be up (the one an earlier threat killed
     may still be starting), so wait for it; with none, the check is not run."""
-    with anyio.move_on_after(60):
-        while len(_ready_pids(pool)) < 2 <= len(pool._core.live_workers()):
-            await pool._wait_changed()
+    await _workers_up(pool, min(2, pool.size))
     pids = _ready_pids(pool)
     if len(pids) < 2:
         return Observed(f"not run: {len(pids)} worker(s) up, no sibling", {"ran": False})
