@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,6 +111,71 @@ def test_every_line_one_record_and_a_dead_server_takes_nothing(
     )
     out, _ = run.communicate(timeout=150)
     assert json.loads(out)["skipped"] == 201
+
+
+class Dropper:
+    """A server that takes every connection, reads the request and closes it unanswered: a
+    call sent to it is lost mid-call, every time (as with a server that just went away)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/mcp"
+        self.taken = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # (closed)
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                self.taken += 1
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)  # (wakes the accept)
+        self.sock.close()
+        self.thread.join(30)
+
+
+def test_a_retry_goes_to_another_server_than_the_one_it_was_lost_with(
+    tmp_path: Path, plains: list[Plain]
+) -> None:
+    """Calls in turn: the dropper's are lost; their retries go to the other server (by turn,
+    half would go back to the dropper and be lost again)."""
+    write_lines(
+        tmp_path / "in.jsonl",
+        [{"id": i, "tool": "echo", "args": {"value": str(i)}} for i in range(4)],
+    )
+    dropper = Dropper()
+    try:
+        run = batch(
+            f"--server={plains[0].url}",
+            f"--server={dropper.url}",
+            "--workers",
+            "4",
+            "--retries",
+            "1",
+            "--idempotent",
+            str(tmp_path / "in.jsonl"),
+            "-o",
+            str(tmp_path / "out.jsonl"),
+        )
+        _out, err = run.communicate(timeout=150)
+    finally:
+        dropper.close()
+    got = records(tmp_path / "out.jsonl")
+    assert len(got) == 4, err
+    assert dropper.taken == 2  # (the first call in turn to each server; no retry)
+    assert all(r["outcome"] == "ok" for r in got.values()), got
+    assert sorted(int(str(r["attempts"])) for r in got.values()) == [1, 1, 2, 2]
 
 
 @pytest.mark.parametrize("idempotent", [False, True])

@@ -12,7 +12,10 @@ resume, retries by ``body_started``, progress) unchanged. What it adds is where 
   run on the next run);
 - a call **lost** with its server (the connection dropped mid-call) settles ``worker_lost``
   with ``body_started`` None (unless the server said the body runs): the runner retries it
-  only with ``--idempotent``, as any lost call.
+  only with ``--idempotent``, as any lost call. That server is then passed over for
+  :data:`LOST_AVOID_FOR` seconds while another has lost nothing in that time, so that a
+  retry does not go back to a server that just went away (over a connection that may not
+  know it yet) to be lost again.
 """
 
 from __future__ import annotations
@@ -30,14 +33,18 @@ import anyio.abc
 
 from ..core import Outcome, ToolpoolError
 from ..remote import Client, RemoteCall, ServerUnavailable, connect
+from ..remote._client import SERVER_LOST
 from ..supervisor import Result, Statistics, Timeline
 
-__all__ = ("UNAVAILABLE_FOR", "RemoteBatchCall", "RemoteGroup", "RemotePool")
+__all__ = ("LOST_AVOID_FOR", "UNAVAILABLE_FOR", "RemoteBatchCall", "RemoteGroup", "RemotePool")
 
 #: Seconds a call may find no server that takes it before the batch stops.
 UNAVAILABLE_FOR: Final = 30.0
 #: Seconds between two rounds over every server, when none took a call.
 _ROUND_PAUSE: Final = 0.2
+#: Seconds a server that lost a call (``ServerLost``: the connection dropped mid-call) is
+#: passed over while another server has lost none in that time.
+LOST_AVOID_FOR: Final = 5.0
 
 
 class RemotePool:
@@ -53,6 +60,7 @@ class RemotePool:
         self._token = token
         self._concurrency = concurrency
         self._clients: list[Client] = []
+        self._lost_at: list[float] = []  # when each server last lost a call (monotonic)
         self._stack = AsyncExitStack()
         self._tg: anyio.abc.TaskGroup | None = None
         self._turn = itertools.count()
@@ -66,6 +74,7 @@ class RemotePool:
         for url in self.servers:
             client = connect(url, token=self._token, max_connections=self._concurrency)
             self._clients.append(await self._stack.enter_async_context(client))
+            self._lost_at.append(-LOST_AVOID_FOR)
         self._tg = await self._stack.enter_async_context(anyio.create_task_group())
         self.catalog = await self._catalog()
         return self
@@ -122,7 +131,16 @@ class RemotePool:
         )
 
     def _next_client(self) -> int:
-        return next(self._turn) % len(self._clients)
+        """The next server in turn, passing over one that lost a call in the last
+        :data:`LOST_AVOID_FOR` seconds; if every server did, the one in turn."""
+        count = len(self._clients)
+        turn = next(self._turn) % count
+        now = time.monotonic()
+        for step in range(count):
+            index = (turn + step) % count
+            if now - self._lost_at[index] >= LOST_AVOID_FOR:
+                return index
+        return turn
 
 
 class RemoteGroup:
@@ -246,6 +264,8 @@ class RemoteBatchCall:
                 if tried % len(pool._clients) == 0:
                     await anyio.sleep(_ROUND_PAUSE)
                 continue
+            if result.error_name == SERVER_LOST:
+                pool._lost_at[index] = time.monotonic()
             if self._timed_out and result.outcome is Outcome.ABORTED:
                 result = dataclasses.replace(result, outcome=Outcome.TIMEOUT)
             return result

@@ -59,6 +59,10 @@ _UNAVAILABLE_STATUSES: Final = frozenset({503})
 _CANCEL_HEADER: Final = "toolpool-cancel"
 
 
+#: The ``error_name`` of a call lost with its server: the connection dropped mid-call.
+SERVER_LOST: Final = "ServerLost"
+
+
 class ServerUnavailable(ToolpoolError):
     """The call was never sent to a tool: no connection, 503, or the service is draining.
     Safe to send again, anywhere."""
@@ -445,7 +449,7 @@ class Client:
             call,
             Outcome.WORKER_LOST,
             error=f"Error: tool call lost: {why}",
-            error_name="ServerLost",
+            error_name=SERVER_LOST,
             body_started=True if call.body_started else None,
         )
 
