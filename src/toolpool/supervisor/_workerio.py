@@ -97,17 +97,19 @@ class WorkerIO:
         self.monitor: zmq.Socket[bytes] | None = None
 
     def close_files(self) -> None:
-        """Close its files and end its tasks (the reader closes the socket as it ends)."""
-        for name in ("peak_fd", "members_fd", "ledger_fd", "spill_fd"):
-            fd = getattr(self, name)
-            if fd is not None:
-                os.close(fd)
-                setattr(self, name, None)
+        """Close its cgroup files and end its tasks: the reader, as it ends, calls
+        :meth:`close` (the ledger and the socket)."""
+        self._close_fds(("peak_fd", "members_fd"))
         for s in self.scopes:
             s.cancel()
 
     def close(self) -> None:
+        """Close everything. The ledger is closed here, not in :meth:`close_files` (the
+        worker's end, as its last call settles): its file is unlinked by then, and the last
+        close frees it, 0.1-0.8 ms of the kernel's (the sparse spill on ext4), which is
+        better paid after that call's caller woke."""
         self.close_files()
+        self._close_fds(("ledger_fd", "spill_fd"))
         if not self.sock.closed:
             # Stop the monitor before anything closes: libzmq's I/O thread blocks for good
             # on a monitor event whose reader is gone, freezing every socket of the context.
@@ -124,6 +126,13 @@ class WorkerIO:
                     pass
                 sock.close(linger=0)
             self.monitor = None
+
+    def _close_fds(self, names: tuple[str, ...]) -> None:
+        for name in names:
+            fd = getattr(self, name)
+            if fd is not None:
+                setattr(self, name, None)
+                os.close(fd)
 
 
 def open_worker(
