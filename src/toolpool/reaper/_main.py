@@ -83,8 +83,8 @@ def _load_protocol() -> Any:
 
 
 proto = _load_protocol()
-cgroups = _load("_cgroups")
 linux = _load("_linux")
+cgroups = _load("_cgroups")  # (after _linux: it takes read_proc from it)
 remove = _load("_remove")
 trees = _load("_trees", "reaper")
 
@@ -407,6 +407,7 @@ class Reaper:
         """Worker ``wid`` (``pid``) was reaped: what is left of its tree dies now (its cgroup
         killed at once, where it has one). Its exit is reported with its ``gone`` (one
         report), or before, should the rest of its tree take its time (``_report_exits``)."""
+        killed = wid in self.killing  # (its cgroup killed already: nothing can be left in it)
         self.killing.discard(wid)
         # Read now: the cgroup is removed once the tree is gone, maybe before the supervisor
         # handles this report.
@@ -414,7 +415,7 @@ class Reaper:
         self.exits[wid] = proto.ExitedReport(wid, pid, code, ooms)
         self.pending_gone.append(wid)
         kill_dir = self.kill_dirs.get(wid)
-        if kill_dir is not None:
+        if kill_dir is not None and not killed:
             cgroups.cgroup_kill(kill_dir)  # (an empty cgroup: nothing to do)
 
     def _report_exits(self) -> None:
@@ -498,8 +499,9 @@ class Reaper:
                 cgroups.cgroup_kill(kill_dir)
                 if wait:
                     cgroups.wait_empty(kill_dir, 0.2)
-            if cgroups.populated(kill_dir):
-                return False
+            else:
+                if cgroups.populated(kill_dir):
+                    return False
             self.kill_dirs.pop(wid, None)
         groups = set(self.groups.pop(wid, ()))
         for path in self.cleanup.pop(wid, []):
