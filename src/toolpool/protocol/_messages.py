@@ -368,13 +368,6 @@ def _amount(value: Any, what: str) -> float:
     return value
 
 
-def _frame(frame: bytes, max_len: int) -> tuple[str, list[Any]]:
-    data = _unpack(frame, max_len)
-    if type(data) is not list or not data or type(data[0]) is not str:
-        raise ProtocolViolation("a frame is an array whose first element is the message type")
-    return data[0], data[1:]
-
-
 #: The documented extras of a result and their types (others are ignored).
 _EXTRAS: dict[Any, type] = {
     "cpu_time": float,
@@ -543,7 +536,24 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
 
 def decode_from_supervisor(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> SupervisorMessage:
     """Decode one frame the supervisor sent (the worker validates it too)."""
-    kind, body = _frame(frame, max_len)
+    data = _unpack(frame, max_len)
+    # A call without parts, the most frequent frame, checked inline: what the general path
+    # below checks (anything unusual goes that way, to fail there with its reason).
+    if type(data) is list and len(data) == 5 and data[0] == "call":
+        _, call_id, tool, args, acked = data
+        if (
+            type(call_id) is int
+            and 0 <= call_id <= _MAX_ID
+            and type(tool) is str
+            and len(tool) <= _MAX_NAME
+            and type(args) is bytes
+            and type(acked) is int
+            and 0 <= acked <= _MAX_ID
+        ):
+            return _call_message(call_id, tool, args, acked, 0, ())
+    if type(data) is not list or not data or type(data[0]) is not str:
+        raise ProtocolViolation("a frame is an array whose first element is the message type")
+    kind, body = data[0], data[1:]
     if kind == "call":
         if len(body) != 5:
             _arity(body, 4, kind)
