@@ -45,6 +45,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import zmq
+
 from ..core import CancelCause, CancelController, cancel_with_runtime_cause
 from ..protocol import (
     CallMessage,
@@ -76,8 +78,6 @@ from ._threads import start_thread_blocking_signals
 if TYPE_CHECKING:
     import mmap
 
-    import zmq
-
     from ._call import ToolResult
     from ._capture import OutputCapture
     from ._registry import Registry
@@ -90,6 +90,9 @@ QUICK_BODY_WAIT = 0.0002
 TICK = 0.002
 #: After this long (seconds) without a call, the control thread stops looking.
 IDLE_AFTER = 0.05
+
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+RUSAGE_SELF, RUSAGE_CHILDREN = resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN
 
 #: This process's pid, read once and again in a child a fork makes (``os.register_at_fork``):
 #: a body's fork is noticed without a ``getpid`` per call.
@@ -117,9 +120,7 @@ class _Server:
         members: int | None = None,
         heartbeat: float = 0.0,
     ) -> None:
-        import zmq
-
-        from .._transport import fd_of, readable
+        from .._transport import fd_of
 
         self.capture = capture
         self.sock = sock
@@ -158,7 +159,6 @@ class _Server:
         self._failure: BaseException | None = None
         self._wakeup = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._fd = fd_of(sock)
-        self._readable = readable
         self._noblock = zmq.NOBLOCK
         self._rcvmore = zmq.RCVMORE
         self._loop: asyncio.AbstractEventLoop | None = None  # for calls with stages, async
@@ -188,7 +188,8 @@ class _Server:
                     if time.monotonic() >= machine.beat_due:  # (also in quick calls)
                         self._perform(machine.beat(time.monotonic()))
                     job = self._next()
-                self._fire_cancels()
+                if self._fire:
+                    self._fire_cancels()
                 if job is not None:
                     self._run(job)
                     continue
@@ -397,9 +398,9 @@ class _Server:
 
     def _drain(self) -> None:
         sock = self.sock
-        while self._readable(sock):
-            # All parts of one message (the calls sent together): one check of the socket's
-            # events per message, not per frame.
+        # (_transport.readable, inline: twice a call.) All parts of one message (the calls
+        # sent together): one check of the socket's events per message, not per frame.
+        while sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # (an int)
             self._handle_frames(self._recv(self._noblock))
 
     def _recv(self, flags: int) -> list[Any]:
@@ -417,7 +418,9 @@ class _Server:
             if len(frames) == 1:  # (most messages: one frame, no parts)
                 msg = decode_from_supervisor(frames[0], max_len=self.max_frame)
                 if type(msg) is not CallMessage or not msg.parts:
-                    self._handle(msg)
+                    out = self.machine.receive(msg)  # (_handle, inline: once a call)
+                    if out:
+                        self._perform(out)
                     return
             messages = decode_supervisor_frames(frames, max_len=self.max_frame)
         except ProtocolViolation:
@@ -556,7 +559,17 @@ class _Server:
             return exc  # the registry turns a non-mapping into an ordinary `error`
 
     def _extras(self, before: tuple[float, float]) -> dict[str, Any]:
-        extras, self._usage = _usage_since(before)
+        """The call's CPU time (the worker's threads and children reaped meanwhile, since
+        ``before``), the high-water mark of resident memory (the worker's, or its largest
+        reaped child's), when its body was invoked; and the reading now (:func:`_usage`'s),
+        the next call's start."""
+        own = resource.getrusage(RUSAGE_SELF)
+        kids = resource.getrusage(RUSAGE_CHILDREN)
+        now = self._usage = (own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime)
+        extras = {
+            "cpu_time": (now[0] - before[0]) + (now[1] - before[1]),
+            "max_rss": max(own.ru_maxrss, kids.ru_maxrss) * 1024,
+        }
         if self.started_at:
             extras["started_at"] = self.started_at
         return extras
@@ -625,22 +638,9 @@ def _children() -> list[int]:
 
 def _usage() -> tuple[float, float]:
     """CPU seconds used so far by this process and its reaped children."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = resource.getrusage(RUSAGE_SELF)
+    kids = resource.getrusage(RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
-
-
-def _usage_since(
-    before: tuple[float, float],
-) -> tuple[dict[str, Any], tuple[float, float]]:
-    """The call's CPU time (the worker's threads and children reaped meanwhile) and the
-    high-water mark of resident memory (the worker's, or its largest reaped child's); and the
-    reading now (:func:`_usage`'s), the next call's start."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    now = (own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime)
-    cpu = (now[0] - before[0]) + (now[1] - before[1])
-    return {"cpu_time": cpu, "max_rss": max(own.ru_maxrss, kids.ru_maxrss) * 1024}, now
 
 
 def _has_children() -> bool:
