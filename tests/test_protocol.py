@@ -31,7 +31,9 @@ from toolpool.protocol import (
     decode_from_worker,
     encode,
     encode_call,
+    new_result,
     pack_value,
+    result_encoder,
     unpack_value,
 )
 from toolpool.protocol import CallMessage as Call
@@ -196,6 +198,49 @@ def test_encode_call_is_byte_for_byte_the_old_encoding(
     assert frame == encode(Call(call_id, tool, args, acked))
     assert frame == msgpack.packb(["call", call_id, tool, args, acked], use_bin_type=True)
     assert decode_from_supervisor(frame) == Call(call_id, tool, args, acked)
+
+
+_WIRE_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    call_id=st.integers(0, 2**63 - 1),
+    outcome=st.sampled_from(sorted(OUTCOME_NAMES)),
+    value=st.one_of(st.none(), st.binary(max_size=70000)),
+    error=st.one_of(st.none(), st.text(max_size=50)),
+    started=st.booleans(),
+    context=st.dictionaries(st.text(max_size=5), _WIRE_VALUES, max_size=3),
+    leftovers=st.integers(0, 2**63 - 1),
+    extras=st.fixed_dictionaries(
+        {"cpu_time": st.floats(0, 10), "max_rss": st.integers(0, 2**40), "kept": st.booleans()}
+    ),
+)
+def test_the_workers_result_encoder_is_byte_for_byte_encode(
+    call_id: int,
+    outcome: str,
+    value: bytes | None,
+    error: str | None,
+    started: bool,
+    context: dict[str, Any],
+    leftovers: int,
+    extras: dict[str, Any],
+) -> None:
+    # The worker's one-pack result frame, with a packer of its own, reused: the same bytes
+    # as the message's own encoding, and the same message of new_result as of ResultMessage.
+    fields = (call_id, outcome, value, error, "E" if error else None, started, context)
+    made = new_result(*fields, leftovers, extras)
+    assert made == Result(*fields, leftovers, extras)
+    encode_result = result_encoder()
+    assert encode_result(made) == encode(made)
+    assert encode_result(made) == encode(made)  # (again: the packer's buffer is reset)
+    with pytest.raises(TypeError):  # (and after a failure too)
+        encode_result(new_result(*fields, leftovers, {"x": object()}))
+    assert encode_result(made) == encode(made)
 
 
 def test_packed_values_round_trip() -> None:

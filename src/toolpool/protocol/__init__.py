@@ -35,8 +35,10 @@ from ._messages import (
     decode_supervisor_frames,
     encode,
     encode_call,
+    new_result,
     pack_parts,
     pack_value,
+    result_encoder,
     unpack_value,
 )
 from ._reaper import (
@@ -101,8 +103,10 @@ __all__ = (
     "decode_supervisor_frames",
     "encode",
     "encode_call",
+    "new_result",
     "pack_parts",
     "pack_value",
+    "result_encoder",
     "unpack_value",
     "ByeReport",
     "CleanCommand",

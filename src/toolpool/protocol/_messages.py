@@ -69,8 +69,10 @@ __all__ = (
     "decode_supervisor_frames",
     "encode",
     "encode_call",
+    "new_result",
     "pack_parts",
     "pack_value",
+    "result_encoder",
     "unpack_value",
 )
 
@@ -359,6 +361,31 @@ def encode_call(call_id: int, tool: str, args: bytes, acked: int, parts: int = 0
     return _pack(["call", call_id, tool, args, acked])
 
 
+def result_encoder() -> Callable[[ResultMessage], bytes]:
+    """An encoder of results: the frame of a ``ResultMessage``, byte for byte what
+    :func:`encode` makes of it, in one pack with a packer of its own (``packb`` makes one per
+    frame), for one thread at a time (the worker's machine, under its shell's lock: a map of
+    the result's may run Python code while it is packed)."""
+    pack = msgpack.Packer(use_bin_type=True).pack
+
+    def encode_result(m: ResultMessage) -> bytes:
+        fields = [
+            "result",
+            m.call_id,
+            m.outcome,
+            m.value,
+            m.error,
+            m.error_name,
+            m.body_started,
+            m.context,
+            m.leftovers,
+            m.extras,
+        ]
+        return pack(fields)
+
+    return encode_result
+
+
 def _amount(value: Any, what: str) -> float:
     """A progress amount: a finite, non-negative float (an int is accepted as one)."""
     if type(value) is int and 0 <= value <= _MAX_ID:
@@ -406,6 +433,9 @@ def _slot_maker(cls: type) -> Callable[..., Any]:
 
 #: A ResultMessage of its 9 checked fields.
 _result_message: Final[Callable[..., ResultMessage]] = _slot_maker(ResultMessage)
+#: ``ResultMessage(...)`` of all its 9 fields, positional, at half the cost (the worker's, for
+#: every call's result).
+new_result: Final[Callable[..., ResultMessage]] = _result_message
 #: A CallMessage of its checked fields, its parts (the data) last.
 _call_message: Final[Callable[..., CallMessage]] = _slot_maker(CallMessage)
 
