@@ -54,6 +54,7 @@ from ..protocol import (
     ResultMessage,
     decode_from_supervisor,
     decode_supervisor_frames,
+    new_result,
     pack_parts,
     pack_value,
     unpack_value,
@@ -625,7 +626,7 @@ class _Server:
                 leftovers = 0
         if parts and self.ledger is None:  # no spill: the value goes inline
             packed, parts = pack_value(unpack_value(packed or b"", self.max_frame, parts)), ()
-        reply = ResultMessage(
+        reply = new_result(
             call_id, outcome, packed, error, error_name, started, context, leftovers, extras
         )
         return reply, parts
