@@ -34,6 +34,7 @@ from toolpool.protocol import (
     new_result,
     pack_value,
     result_encoder,
+    unpack_args,
     unpack_value,
 )
 from toolpool.protocol import CallMessage as Call
@@ -241,6 +242,46 @@ def test_the_workers_result_encoder_is_byte_for_byte_encode(
     with pytest.raises(TypeError):  # (and after a failure too)
         encode_result(new_result(*fields, leftovers, {"x": object()}))
     assert encode_result(made) == encode(made)
+
+
+def _decoded(unpack: Any, data: bytes, max_len: int) -> Any:
+    try:
+        return ("value", repr(unpack(data, max_len)))  # (repr: a NaN is not equal to itself)
+    except ProtocolViolation:
+        return ("violation",)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.one_of(
+        st.binary(max_size=64),
+        _WIRE_VALUES.map(lambda v: msgpack.packb(v, use_bin_type=True)),
+        st.builds(
+            lambda v, cut: msgpack.packb(v, use_bin_type=True)[:cut],
+            _WIRE_VALUES,
+            st.integers(0, 64),
+        ),
+        st.sampled_from(
+            [
+                msgpack.packb(msgpack.Timestamp(1, 2)),
+                msgpack.packb([msgpack.ExtType(1, b"\0\0\0\0")]),
+                msgpack.packb({1: 2}),
+                b"\xdb\x00\x00\x10\x00ab",  # (a str longer than the frame)
+                b"\xdd\x00\x10\x00\x00",  # (an array longer than the frame)
+                b"\x91" * 2000 + b"\x90",  # (too deep)
+                b"\x80\x80",  # (extra data)
+            ]
+        ),
+    ),
+    max_len=st.sampled_from([4, 64, 1 << 20]),
+)
+def test_the_workers_small_decoder_passes_and_refuses_what_the_strict_one_does(
+    data: bytes, max_len: int
+) -> None:
+    from toolpool.protocol._values import _unpack, _unpack_small
+
+    assert _decoded(_unpack_small, data, max_len) == _decoded(_unpack, data, max_len)
+    assert _decoded(unpack_args, data, max_len) == _decoded(unpack_value, data, max_len)
 
 
 def test_packed_values_round_trip() -> None:

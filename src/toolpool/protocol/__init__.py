@@ -39,6 +39,7 @@ from ._messages import (
     pack_parts,
     pack_value,
     result_encoder,
+    unpack_args,
     unpack_value,
 )
 from ._reaper import (
@@ -107,6 +108,7 @@ __all__ = (
     "pack_parts",
     "pack_value",
     "result_encoder",
+    "unpack_args",
     "unpack_value",
     "ByeReport",
     "CleanCommand",

@@ -29,9 +29,11 @@ from ._values import (
     PART_EXT,
     PART_MIN,
     _unpack,
+    _unpack_small,
     check_spill,
     pack_parts,
     pack_value,
+    unpack_args,
     unpack_value,
 )
 
@@ -73,6 +75,7 @@ __all__ = (
     "pack_parts",
     "pack_value",
     "result_encoder",
+    "unpack_args",
     "unpack_value",
 )
 
@@ -566,7 +569,7 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
 
 def decode_from_supervisor(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> SupervisorMessage:
     """Decode one frame the supervisor sent (the worker validates it too)."""
-    data = _unpack(frame, max_len)
+    data = _unpack_small(frame, max_len)
     # A call without parts, the most frequent frame, checked inline: what the general path
     # below checks (anything unusual goes that way, to fail there with its reason).
     if type(data) is list and len(data) == 5 and data[0] == "call":
