@@ -57,6 +57,7 @@ from ..protocol import (
     new_result,
     pack_parts,
     pack_value,
+    unpack_args,
     unpack_value,
 )
 from ..protocol._ledger import LEDGER_SIZE, write_invoked, write_parts, write_slot, write_taken
@@ -555,7 +556,7 @@ class _Server:
 
     def _args(self, msg: CallMessage) -> Any:
         try:
-            return unpack_value(msg.args, self.max_frame, msg.data)
+            return unpack_args(msg.args, self.max_frame, msg.data)
         except ValueError as exc:
             return exc  # the registry turns a non-mapping into an ordinary `error`
 
