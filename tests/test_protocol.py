@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import tracemalloc
 from typing import Any
@@ -236,6 +237,9 @@ def test_the_workers_result_encoder_is_byte_for_byte_encode(
     fields = (call_id, outcome, value, error, "E" if error else None, started, context)
     made = new_result(*fields, leftovers, extras)
     assert made == Result(*fields, leftovers, extras)
+    assert type(made) is Result
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.call_id = 0  # type: ignore[misc]
     encode_result = result_encoder()
     assert encode_result(made) == encode(made)
     assert encode_result(made) == encode(made)  # (again: the packer's buffer is reset)
