@@ -333,8 +333,9 @@ class WorkerMachine:
         extras = reply.extras
         # A value too large for a ledger slot however it is framed is not kept (nor framed
         # twice to find out).
-        slot = None if len(reply.value or b"") > SLOT_PAYLOAD else self._free_slot()
-        self.results += 1
+        value = reply.value
+        slot = None if value is not None and len(value) > SLOT_PAYLOAD else self._free_slot()
+        results = self.results = self.results + 1
         spill_at = None
         if parts:
             need = sum(len(p) for p in parts)
@@ -355,7 +356,7 @@ class WorkerMachine:
                 reply = dataclasses.replace(reply, value=pack_value(value))
                 slot = None if len(reply.value or b"") > SLOT_PAYLOAD else slot
             else:
-                self.spilled.append((self.results, spill_at, spill_at + need))
+                self.spilled.append((results, spill_at, spill_at + need))
         extras["kept"] = slot is not None
         encode_result = self._encode_result
         frame = encode_result(reply)
@@ -369,21 +370,16 @@ class WorkerMachine:
             # The parts first: the supervisor reads them where the result says, whether or
             # not its frame fits the slot.
             out.append(SpillParts(spill_at, tuple(parts)))
-        if slot is not None and len(frame) <= SLOT_PAYLOAD:
-            out.append(_new(KeepResult, (slot, self.results, frame)))
-            self.slots[slot] = self.results
+        kept = slot is not None and len(frame) <= SLOT_PAYLOAD
+        if slot is not None and kept:
+            out.append(_new(KeepResult, (slot, results, frame)))
+            self.slots[slot] = results
         else:
             if slot is not None:  # too large to keep after all: say so
                 extras["kept"] = False
                 frame = encode_result(reply)
-            self.need_ack = self.results
-        if (
-            extras["kept"]
-            and self.queue
-            and not held
-            and not self.shutdown
-            and len(self.pending) < HOLD_BACK
-        ):
+            self.need_ack = results
+        if kept and self.queue and not held and not self.shutdown and len(self.pending) < HOLD_BACK:
             # Another call is queued: send this result with the next ones, in one go (one
             # wake-up of each side's zmq thread for several). It is in the ledger meanwhile.
             self.pending.append(frame)
