@@ -4,7 +4,10 @@ The worker serves one call at a time, so a tool body runs on the process's main 
 an ordinary program (CONTRACT C2.5): signal handlers, ``alarm``/``setitimer``, ``faulthandler``
 and main-thread-only libraries work in it. A plain sync call (``Registry._runs_plain``: no stage
 but the body) runs straight through on that thread, with no event loop; any other call runs on
-an asyncio loop on the same thread, its sync body invoked inline.
+an asyncio loop on the same thread, its sync body invoked inline. Most plain calls run lean
+(``Registry._lean_body``, ``_run_lean``: a body that takes no execution view, arguments that
+bind as they are): no controller, no bind, no result object; a cancel received is kept as its
+kind, read before the body is invoked and after it returns, as a signal would be.
 
 Two threads share the one socket, never at once (``mu`` guards it, and every other piece of
 state below):
