@@ -6,6 +6,9 @@ supervisor, no zmq I/O thread), so what is measured is only toolpool's worker-si
     N=2000 REPS=1 valgrind --tool=callgrind python bench/worker_cost.py
     N=6000 REPS=1 valgrind --tool=callgrind python bench/worker_cost.py
     # instructions per call: (I(6000) - I(2000)) / 4000; start-up cancels out
+    N=2000 REPS=1 FAKE=1 valgrind --tool=callgrind python bench/worker_cost.py
+    N=6000 REPS=1 FAKE=1 valgrind --tool=callgrind python bench/worker_cost.py
+    # the fake supervisor's own share of that (FAKE=1: its side of each call, no worker)
 
 The calls are sequential (one in the worker at a time, as with ``prefetch=0``), to a plain
 sync tool (``toolpool.testing.examples:registry``, ``noop``), with a ledger (anonymous shared
@@ -125,7 +128,45 @@ def run(n: int) -> float:
     return elapsed
 
 
+def run_fake(n: int) -> float:
+    """The fake supervisor's side of ``n`` calls alone, as the worker's server asks for it
+    (its events read twice, a call received, a result sent: decoded, the next call encoded),
+    with no worker; return the CPU seconds it took. What the measure above counts that is
+    not the worker's."""
+    fake = FakeSupervisor(n)
+    frame = encode(
+        ResultMessage(
+            1,
+            "ok",
+            b"\xc0",
+            None,
+            None,
+            True,
+            {},
+            0,
+            {"cpu_time": 1.5e-05, "max_rss": 123_456_789, "started_at": 12345.678, "kept": True},
+        )
+    )
+    events, more = zmq.EVENTS, zmq.RCVMORE
+    t0 = time.process_time()
+    for _ in range(n):
+        fake.get(events)
+        fake.recv(0)
+        fake.getsockopt(more)
+        fake.get(events)
+        fake.send(frame, 0, copy=True)
+    elapsed = time.process_time() - t0
+    assert fake.results == n, (fake.results, n)
+    fake.close()
+    return elapsed
+
+
 def main() -> None:
+    if os.environ.get("FAKE") == "1":
+        n = int(os.environ.get("N", "20000"))
+        runs = [run_fake(n) / n * 1e6 for _ in range(int(os.environ.get("REPS", "7")))]
+        print(f"fake supervisor CPU per call, alone: {min(runs):.1f} us (best of {len(runs)})")
+        return
     if os.environ.get("CONTROL") != "1":
         _server.start_thread_blocking_signals = _no_control  # type: ignore[assignment]
     n = int(os.environ.get("N", "20000"))

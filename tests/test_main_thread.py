@@ -5,10 +5,13 @@ ignores it. Real workers, real signals."""
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import anyio
 import pytest
+import zmq
 
 import toolpool
 import toolpool.supervisor.machine._dispatch as dispatch_module
@@ -319,3 +322,178 @@ async def test_an_exception_that_cannot_say_what_it_is_is_still_an_error() -> No
     assert result.error_name == "_Unprintable"
     assert result.error == "Error: _Unprintable: <exception str() failed>"
     assert result.body_started is True
+
+
+# The worker's lean path (``_server._Server._run_lean``: a plain sync body with arguments that
+# bind as they are, called with no controller and no result object) against the registry's
+# staged path: the same tool, the same result, also when a cancel comes before the body is
+# invoked or while it runs. In process, the worker's server fed by a fake socket.
+
+
+@plain.tool
+def takes(a: int, b: float = 1.5, c: str | None = None, d: Any = None) -> list[Any]:
+    return [a, b, c, d]
+
+
+@plain.tool
+def takes_a_list(items: list[int]) -> int:
+    return len(items)
+
+
+@plain.tool
+def returns_a_map_with_an_int_key() -> dict[Any, int]:
+    return {1: 2}
+
+
+@plain.tool
+def returns_a_large_int() -> int:
+    return 2**70
+
+
+@plain.tool
+def returns_a_lone_surrogate() -> str:
+    return "\udc80"
+
+
+@plain.tool
+def returns_a_map() -> dict[str, Any]:
+    return {"a": [1, 2.5, None, True], "b": b"x"}
+
+
+class _OneCall:
+    """Stands in for a worker's socket: one call, then, once its result came, shutdown;
+    keeps the results sent."""
+
+    def __init__(self, tool: str, args: bytes) -> None:
+        from toolpool.protocol import CallMessage, encode
+
+        self.inbox = [encode(CallMessage(1, tool, args, 0))]
+        self.results: list[Any] = []
+        self._never_r, self._never_w = os.pipe()  # its "notification fd": never readable
+
+    def close(self) -> None:
+        os.close(self._never_r)
+        os.close(self._never_w)
+
+    def getsockopt(self, option: int) -> int:
+        return self._never_r if option == zmq.FD else 0  # (RCVMORE: one frame a message)
+
+    def get(self, option: int) -> int:
+        return int(zmq.POLLIN) if self.inbox else 0
+
+    def setsockopt(self, option: int, value: int) -> None:
+        pass
+
+    def recv(self, flags: int = 0, copy: bool = True) -> bytes:
+        return self.inbox.pop(0)
+
+    def send(self, frame: bytes, flags: int = 0, copy: bool = True) -> None:
+        from toolpool.protocol import ResultMessage, Shutdown, decode_from_worker, encode
+
+        msg = decode_from_worker(frame)
+        if isinstance(msg, ResultMessage):
+            self.results.append(msg)
+            self.inbox.append(encode(Shutdown()))
+
+    def send_multipart(self, frames: list[bytes], flags: int = 0, copy: bool = True) -> None:
+        for frame in frames:
+            self.send(frame)
+
+
+def _served(tool: str, args: dict[Any, Any], when: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The result message of one call of ``tool``, served in process by a worker's server;
+    cancelled (as by a cancel message) ``when`` "before" its body is invoked, or "during"
+    it (by the tools that cancel their own call)."""
+    import msgpack
+
+    from toolpool.worker import _server
+    from toolpool.worker._machine import FireCancel
+
+    monkeypatch.setattr(plain, "_sync_caller", None)  # (the server sets them: restored after)
+    monkeypatch.setattr(plain, "_progress_sink", None)
+    sock = _OneCall(tool, msgpack.packb(args))
+    server = _server._Server(sock, plain, 1 << 20)  # type: ignore[arg-type]
+
+    def cancel() -> None:  # what the control thread does with a cancel message
+        with server.mu:
+            server._perform([FireCancel(1, "user")])
+        server._fire_cancels()
+
+    begin = server._begin
+
+    def begin_cancelled() -> Any:
+        cancel()
+        return begin()
+
+    if when == "before":
+        monkeypatch.setattr(server, "_begin", begin_cancelled)
+    monkeypatch.setattr(sys.modules[__name__], "_cancel_own_call", cancel)
+    try:
+        server.serve()
+    finally:
+        sock.close()
+    (result,) = sock.results
+    return result
+
+
+_ARGS: list[tuple[str, dict[Any, Any]]] = [
+    *((tool, {}) for tool in sorted(plain.tools) if tool not in ("takes", "takes_a_list")),
+    ("takes", {"a": 1}),
+    ("takes", {"a": 1, "b": 2, "c": "x", "d": {"k": [1]}}),
+    ("takes", {"a": 1, "b": 2.5, "c": None}),
+    ("takes", {"a": True}),
+    ("takes", {"a": 1.0}),
+    ("takes", {"a": 1, "b": True}),
+    ("takes", {"a": 1, "c": 3}),
+    ("takes", {"a": 1, "e": 3}),
+    ("takes", {"b": 2.0}),
+    ("takes", {}),
+    ("takes_a_list", {"items": [1, 2]}),
+    ("takes_a_list", {"items": [1, "x"]}),
+    ("returns", {b"a": 1}),  # (a name that is not a string)
+]
+
+
+@pytest.mark.parametrize("when", ["live", "before"])
+@pytest.mark.parametrize(("tool", "args"), _ARGS, ids=[f"{t}-{a}" for t, a in _ARGS])
+async def test_the_lean_path_settles_each_call_as_the_staged_path(
+    tool: str, args: dict[Any, Any], when: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from toolpool.protocol import unpack_value
+
+    served = _served(tool, args, when, monkeypatch)
+    monkeypatch.undo()
+    _controllers.append(CancelController())
+    if when == "before":
+        _controllers[-1].cancel()
+    staged = await plain.execute_owned(tool, args, controller=_controllers[-1], call_id="1")
+    value = None if served.value is None else unpack_value(served.value)
+    assert (served.outcome, value, served.error, served.error_name, served.body_started) == (
+        staged.outcome.value,
+        staged.value,
+        staged.error,
+        staged.error_name,
+        staged.body_started,
+    )
+    assert served.context == dict(staged.context)
+
+
+def test_which_calls_run_lean() -> None:
+    """A sync tool with no stage, no execution view and no finalizer, called with arguments
+    whose types its annotations admit as they are; any other call runs the pipeline."""
+    assert plain._lean_body("returns", {}) is not None
+    assert plain._lean_body("takes", {"a": 1, "b": 2, "c": None, "d": [b"x"]}) is not None
+    assert plain._lean_body("takes", {"a": 1, "b": True}) is None  # (an error, from bind)
+    assert plain._lean_body("takes", {"b": 2.0}) is None  # (a required one missing)
+    assert plain._lean_body("takes", {"a": 1, "e": 3}) is None  # (an unknown one)
+    assert plain._lean_body("takes_a_list", {"items": [1]}) is None  # (list[int]: bind's)
+    assert plain._lean_body("returns", {b"a": 1}) is None
+    assert plain._lean_body("returns", []) is None
+    assert plain._lean_body("finalized", {}) is None
+    assert plain._lean_body("cancelled_then_raises_abort_error", {}) is None  # (a view)
+    assert plain._lean_body("unknown", {}) is None
+    staged = toolpool.Registry()
+    staged.tool(returns)
+    assert staged._lean_body("returns", {}) is not None
+    staged.observe(lambda result: None)  # (a stage: nothing runs lean from now on)
+    assert staged._lean_body("returns", {}) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import tracemalloc
 from typing import Any
@@ -31,7 +32,10 @@ from toolpool.protocol import (
     decode_from_worker,
     encode,
     encode_call,
+    new_result,
     pack_value,
+    result_encoder,
+    unpack_args,
     unpack_value,
 )
 from toolpool.protocol import CallMessage as Call
@@ -196,6 +200,92 @@ def test_encode_call_is_byte_for_byte_the_old_encoding(
     assert frame == encode(Call(call_id, tool, args, acked))
     assert frame == msgpack.packb(["call", call_id, tool, args, acked], use_bin_type=True)
     assert decode_from_supervisor(frame) == Call(call_id, tool, args, acked)
+
+
+_WIRE_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    call_id=st.integers(0, 2**63 - 1),
+    outcome=st.sampled_from(sorted(OUTCOME_NAMES)),
+    value=st.one_of(st.none(), st.binary(max_size=70000)),
+    error=st.one_of(st.none(), st.text(max_size=50)),
+    started=st.booleans(),
+    context=st.dictionaries(st.text(max_size=5), _WIRE_VALUES, max_size=3),
+    leftovers=st.integers(0, 2**63 - 1),
+    extras=st.fixed_dictionaries(
+        {"cpu_time": st.floats(0, 10), "max_rss": st.integers(0, 2**40), "kept": st.booleans()}
+    ),
+)
+def test_the_workers_result_encoder_is_byte_for_byte_encode(
+    call_id: int,
+    outcome: str,
+    value: bytes | None,
+    error: str | None,
+    started: bool,
+    context: dict[str, Any],
+    leftovers: int,
+    extras: dict[str, Any],
+) -> None:
+    # The worker's one-pack result frame, with a packer of its own, reused: the same bytes
+    # as the message's own encoding, and the same message of new_result as of ResultMessage.
+    fields = (call_id, outcome, value, error, "E" if error else None, started, context)
+    made = new_result(*fields, leftovers, extras)
+    assert made == Result(*fields, leftovers, extras)
+    assert type(made) is Result
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.call_id = 0  # type: ignore[misc]
+    encode_result = result_encoder()
+    assert encode_result(made) == encode(made)
+    assert encode_result(made) == encode(made)  # (again: the packer's buffer is reset)
+    with pytest.raises(TypeError):  # (and after a failure too)
+        encode_result(new_result(*fields, leftovers, {"x": object()}))
+    assert encode_result(made) == encode(made)
+
+
+def _decoded(unpack: Any, data: bytes, max_len: int) -> Any:
+    try:
+        return ("value", repr(unpack(data, max_len)))  # (repr: a NaN is not equal to itself)
+    except ProtocolViolation:
+        return ("violation",)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.one_of(
+        st.binary(max_size=64),
+        _WIRE_VALUES.map(lambda v: msgpack.packb(v, use_bin_type=True)),
+        st.builds(
+            lambda v, cut: msgpack.packb(v, use_bin_type=True)[:cut],
+            _WIRE_VALUES,
+            st.integers(0, 64),
+        ),
+        st.sampled_from(
+            [
+                msgpack.packb(msgpack.Timestamp(1, 2)),
+                msgpack.packb([msgpack.ExtType(1, b"\0\0\0\0")]),
+                msgpack.packb({1: 2}),
+                b"\xdb\x00\x00\x10\x00ab",  # (a str longer than the frame)
+                b"\xdd\x00\x10\x00\x00",  # (an array longer than the frame)
+                b"\x91" * 2000 + b"\x90",  # (too deep)
+                b"\x80\x80",  # (extra data)
+            ]
+        ),
+    ),
+    max_len=st.sampled_from([4, 64, 1 << 20]),
+)
+def test_the_workers_small_decoder_passes_and_refuses_what_the_strict_one_does(
+    data: bytes, max_len: int
+) -> None:
+    from toolpool.protocol._values import _unpack, _unpack_small
+
+    assert _decoded(_unpack_small, data, max_len) == _decoded(_unpack, data, max_len)
+    assert _decoded(unpack_args, data, max_len) == _decoded(unpack_value, data, max_len)
 
 
 def test_packed_values_round_trip() -> None:

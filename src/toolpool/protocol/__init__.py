@@ -35,8 +35,11 @@ from ._messages import (
     decode_supervisor_frames,
     encode,
     encode_call,
+    new_result,
     pack_parts,
     pack_value,
+    result_encoder,
+    unpack_args,
     unpack_value,
 )
 from ._reaper import (
@@ -101,8 +104,11 @@ __all__ = (
     "decode_supervisor_frames",
     "encode",
     "encode_call",
+    "new_result",
     "pack_parts",
     "pack_value",
+    "result_encoder",
+    "unpack_args",
     "unpack_value",
     "ByeReport",
     "CleanCommand",

@@ -23,6 +23,8 @@ import struct
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
+    import mmap
+
     from _typeshed import WriteableBuffer
 
 __all__ = (
@@ -78,14 +80,14 @@ def write_invoked(buf: WriteableBuffer, call_id: int) -> None:
     _U64.pack_into(buf, 8, call_id + 1)
 
 
-def write_slot(buf: WriteableBuffer, slot: int, seq: int, frame: bytes) -> None:
+def write_slot(buf: mmap.mmap | bytearray, slot: int, seq: int, frame: bytes) -> None:
     """Keep ``frame``, the worker's result number ``seq``, in ``slot``. The sequence number
-    goes last: a worker killed half-way leaves the slot's old, already received, number."""
+    goes last: a worker killed half-way leaves the slot's old, already received, number.
+    (Into ``buf`` itself, no memoryview of it: once a call.)"""
     at = SLOTS_AT + slot * SLOT_SIZE
-    view = memoryview(buf)
-    view[at + 16 : at + 16 + len(frame)] = frame
-    _U64.pack_into(view, at + 8, len(frame))
-    _U64.pack_into(view, at, seq)
+    buf[at + 16 : at + 16 + len(frame)] = frame
+    _U64.pack_into(buf, at + 8, len(frame))
+    _U64.pack_into(buf, at, seq)
 
 
 def read_marks(data: bytes) -> tuple[int, int] | None:

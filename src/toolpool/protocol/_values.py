@@ -23,6 +23,7 @@ __all__ = (
     "extract_parts",
     "pack_parts",
     "pack_value",
+    "unpack_args",
     "unpack_value",
 )
 
@@ -201,6 +202,26 @@ def _unpack(frame: bytes, max_len: int) -> Any:
         raise _undecodable(exc) from None
 
 
+#: A frame (or a packed value) of at most this many bytes may be decoded by :func:`_unpack_small`.
+_SMALL: Final = 1 << 20
+_unpackb: Final = msgpack.unpackb
+
+
+def _unpack_small(frame: bytes, max_len: int) -> Any:
+    """:func:`_unpack`, for the worker's calls and their arguments, at half the cost where the
+    frame has at most 1 MiB: with msgpack's own limits, which are the frame's length (no
+    valid value exceeds them: the same frames pass as with :func:`_limits`'s; a length that
+    lies fails as incomplete input instead), and one keyword, not ten (no ext at all, a
+    timestamp's included, as there)."""
+    size = len(frame)
+    if size > _SMALL or size > max_len:
+        return _unpack(frame, max_len)
+    try:
+        return _unpackb(frame, max_ext_len=0)
+    except Exception as exc:
+        raise _undecodable(exc) from None
+
+
 def _undecodable(exc: Exception) -> ProtocolViolation:
     # (msgpack's FormatError has no message: say what it means.)
     why = str(exc) or "not msgpack (a byte no msgpack value starts with)"
@@ -235,6 +256,14 @@ def unpack_value(data: bytes, max_len: int = DEFAULT_MAX_FRAME, parts: Sequence[
         raise
     except Exception as exc:
         raise _undecodable(exc) from None
+
+
+def unpack_args(data: bytes, max_len: int, parts: Sequence[bytes] = ()) -> Any:
+    """A call's arguments, as the worker unpacks them: :func:`unpack_value`'s, at half the cost
+    for small ones without parts (:func:`_unpack_small`)."""
+    if parts:
+        return unpack_value(data, max_len, parts)
+    return _unpack_small(data, max_len)
 
 
 def check_spill(spill: Any, max_len: int, frame_len: int = 0) -> tuple[int, list[int]]:

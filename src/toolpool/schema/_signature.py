@@ -20,7 +20,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Final, Literal, Union, get_args, get_origin
 
 __all__ = ("ToolSignature", "inspect_tool")
 
@@ -67,6 +67,24 @@ class ToolSignature:
                     f"got {type(value).__name__}"
                 )
         return kwargs
+
+    def plain_types(self) -> tuple[dict[str, frozenset[type]], frozenset[str]] | None:
+        """What :meth:`bind` passes unchanged, for arguments as msgpack decodes them (values of
+        exactly None, bool, int, float, str, bytes, list or dict): each parameter's types whose
+        values it takes as they are, and the names it requires. A map of arguments whose names
+        are all here, whose values' types are among their parameter's, and that holds every
+        required name binds to itself. None where a value's type alone cannot tell (a
+        parameter converted, or annotated ``list[int]``, a ``Literal``...), or where extra
+        arguments are taken (``**kwargs``)."""
+        if self.accepts_extra:
+            return None
+        types: dict[str, frozenset[type]] = {}
+        for p in self.params:
+            admitted = None if p.convert else _plain_types(p.annotation)
+            if admitted is None:
+                return None
+            types[p.name] = admitted
+        return types, frozenset(p.name for p in self.params if p.required)
 
     def json_schema(self) -> dict[str, Any]:
         """A JSON Schema object describing the parameters (the MCP ``inputSchema`` shape)."""
@@ -332,6 +350,40 @@ def _json_plain(value: Any) -> bool:
 
 def _is_union(origin: Any) -> bool:
     return origin is Union or origin is types.UnionType
+
+
+#: The types :func:`_matches` admits for a simple annotation, of values as msgpack decodes them.
+_PLAIN: Final[dict[Any, frozenset[type]]] = {
+    Any: frozenset(_WIRE_TYPES),
+    object: frozenset(_WIRE_TYPES),
+    None: frozenset((type(None),)),
+    type(None): frozenset((type(None),)),
+    float: frozenset((int, float)),
+    int: frozenset((int,)),
+    str: frozenset((str,)),
+    bool: frozenset((bool,)),
+    bytes: frozenset((bytes,)),
+    list: frozenset((list,)),
+    tuple: frozenset((list,)),
+    dict: frozenset((dict,)),
+}
+
+
+def _plain_types(annotation: Any) -> frozenset[type] | None:
+    """:data:`_PLAIN`'s types for ``annotation``, or a union of such annotations; None for
+    any other annotation (its values are checked by :func:`_matches` itself)."""
+    if _is_union(get_origin(annotation)):
+        admitted: frozenset[type] = frozenset()
+        for member in get_args(annotation):
+            types = _plain_types(member)
+            if types is None:
+                return None
+            admitted |= types
+        return admitted
+    try:
+        return _PLAIN.get(annotation)
+    except TypeError:  # (an unhashable annotation)
+        return None
 
 
 def _matches(value: Any, annotation: Any) -> bool:

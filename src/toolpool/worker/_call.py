@@ -335,6 +335,59 @@ def _invoke_plain(
     return _ok(run, value, started=True)
 
 
+#: Packs a lean call's value of a scalar type (``_lean_value``), on the worker's main
+#: thread only (packing a scalar runs no Python code, so never lets another in meanwhile).
+_pack_scalar: Final = msgpack.Packer(use_bin_type=True).pack
+_NIL: Final = msgpack.packb(None)
+_SCALARS: Final = frozenset((str, int, float, bool))
+_NO_ARGS: Final[Mapping[str, Any]] = MappingProxyType({})
+
+
+def _lean_value(value: Any) -> tuple[bytes, tuple[bytes, ...]] | None:
+    """The packed value and parts of what a lean call's body returned (a call of
+    ``Registry._lean_body``'s): those of :func:`_ok`'s result, checked as it checks them.
+    None where :func:`_ok` makes an error of it (:func:`_lean_result` then). A scalar is
+    packed as it is: its snapshot is itself."""
+    if value is None:
+        return _NIL, ()
+    try:
+        if type(value) in _SCALARS:
+            return _pack_scalar(value), ()
+        _, packed, parts = _snapshot_result(value)
+    except Exception:
+        return None
+    return packed, parts
+
+
+def _lean_result(
+    tool: str,
+    call_id: str,
+    cause: str | None,
+    *,
+    started: bool,
+    exc: BaseException | None = None,
+    value: Any = None,
+) -> ToolResult:
+    """The result :func:`_invoke_plain` makes of a lean call (``Registry._lean_body``'s) whose
+    body was not invoked (``started`` False: ``cause`` is set), raised ``exc``, or returned
+    ``value`` that :func:`_lean_value` could not pack; ``cause``: the kind of the cancel the
+    worker received for the call before this (None: none), as its signal's reason would be."""
+    controller = CancelController()
+    if cause is not None:
+        cancel_with_runtime_cause(controller, CancelCause(cause))  # type: ignore[arg-type]
+    caller = controller.signal
+    run = _Run(tool, call_id, _NO_ARGS, caller)
+    if not started or (exc is None and caller.cancelled):
+        return _cancelled(run, started=started, reason=caller.reason)
+    if exc is None:
+        return _ok(run, value, started=True)
+    state = _DispatchState()
+    state.dispatch(caller, None)
+    state.body_cancelled = caller.cancelled
+    state.body_exc = exc
+    return _classify_failure(run, state, exc, asyncio.CancelledError)
+
+
 def _body_kwargs(
     spec: ToolSpec, run: _Run, signal: CancelSignal, kwargs: dict[str, Any]
 ) -> dict[str, Any]:

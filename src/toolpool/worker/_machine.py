@@ -49,6 +49,7 @@ from ..protocol import (
     Withdrawn,
     encode,
     pack_value,
+    result_encoder,
     unpack_value,
 )
 from ..protocol._ledger import SLOT_PAYLOAD, SLOTS
@@ -160,6 +161,9 @@ class RunCall(NamedTuple):
 WorkerAction = SendFrames | RunCall | MarkInvoked | KeepResult | SpillParts | FireCancel
 #: No action (the most frequent answer: shared, never changed).
 _NONE: Final[Sequence[WorkerAction]] = ()
+#: The actions of every call (RunCall, KeepResult, SendFrames) are made as ``_new(Kind,
+#: (fields...))``: a NamedTuple's own ``__new__`` is Python code, three times a call.
+_new: Final = tuple.__new__
 
 
 class WorkerMachine:
@@ -200,6 +204,9 @@ class WorkerMachine:
         self.progress: tuple[str, float, float | None, str | None] | None = None
         self.progress_new = False
         self.progress_sent_at = -math.inf
+        # A result's frame (as ``encode`` makes it, in one pack, with a packer of its own:
+        # the machine is used by one thread at a time).
+        self._encode_result = result_encoder()
 
     # The table.
 
@@ -288,7 +295,7 @@ class WorkerMachine:
         msg = self.queue.popleft()
         self.advance(_RUNNING)
         self.current = msg.call_id
-        return (RunCall(msg, self.ledger),)
+        return (_new(RunCall, (msg, self.ledger)),)
 
     def invoked(self, call_id: int, is_async: bool) -> Sequence[WorkerAction]:
         """The body is about to be invoked: the ledger says so first. An async body is said
@@ -326,8 +333,9 @@ class WorkerMachine:
         extras = reply.extras
         # A value too large for a ledger slot however it is framed is not kept (nor framed
         # twice to find out).
-        slot = None if len(reply.value or b"") > SLOT_PAYLOAD else self._free_slot()
-        self.results += 1
+        value = reply.value
+        slot = None if value is not None and len(value) > SLOT_PAYLOAD else self._free_slot()
+        results = self.results = self.results + 1
         spill_at = None
         if parts:
             need = sum(len(p) for p in parts)
@@ -336,7 +344,7 @@ class WorkerMachine:
             if spill_at is not None:
                 extras["spill"] = [spill_at, [len(p) for p in parts]]
                 extras["kept"] = True
-                if len(encode(reply)) + need > self.max_frame:
+                if len(self._encode_result(reply)) + need > self.max_frame:
                     # With its output or context, the result and its parts exceed max_frame:
                     # inline, so that within() below cuts them as it always did.
                     del extras["spill"]
@@ -348,41 +356,37 @@ class WorkerMachine:
                 reply = dataclasses.replace(reply, value=pack_value(value))
                 slot = None if len(reply.value or b"") > SLOT_PAYLOAD else slot
             else:
-                self.spilled.append((self.results, spill_at, spill_at + need))
+                self.spilled.append((results, spill_at, spill_at + need))
         extras["kept"] = slot is not None
-        frame = encode(reply)
+        encode_result = self._encode_result
+        frame = encode_result(reply)
         if len(frame) > self.max_frame:
             # The supervisor would drop the connection over it, and the worker with it: what
             # does not fit is left out, and said (the worker goes on serving).
             reply = within(reply, len(frame), self.max_frame)
-            frame = encode(reply)
+            frame = encode_result(reply)
         out: list[WorkerAction] = []
         if spill_at is not None:
             # The parts first: the supervisor reads them where the result says, whether or
             # not its frame fits the slot.
             out.append(SpillParts(spill_at, tuple(parts)))
-        if slot is not None and len(frame) <= SLOT_PAYLOAD:
-            out.append(KeepResult(slot, self.results, frame))
-            self.slots[slot] = self.results
+        kept = slot is not None and len(frame) <= SLOT_PAYLOAD
+        if slot is not None and kept:
+            out.append(_new(KeepResult, (slot, results, frame)))
+            self.slots[slot] = results
         else:
             if slot is not None:  # too large to keep after all: say so
                 extras["kept"] = False
-                frame = encode(reply)
-            self.need_ack = self.results
-        if (
-            extras["kept"]
-            and self.queue
-            and not held
-            and not self.shutdown
-            and len(self.pending) < HOLD_BACK
-        ):
+                frame = encode_result(reply)
+            self.need_ack = results
+        if kept and self.queue and not held and not self.shutdown and len(self.pending) < HOLD_BACK:
             # Another call is queued: send this result with the next ones, in one go (one
             # wake-up of each side's zmq thread for several). It is in the ledger meanwhile.
             self.pending.append(frame)
         elif self.pending:
             self._send(out, frame)  # after what was held back
         else:
-            out.append(SendFrames([frame]))
+            out.append(_new(SendFrames, ([frame],)))
         return out
 
     def flush(self) -> Sequence[WorkerAction]:

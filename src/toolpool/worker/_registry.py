@@ -142,6 +142,11 @@ class Registry:
         #: Where ``execution.report_progress()`` goes: None drops it (in-process); the worker
         #: process sets it to send the reports to the supervisor.
         self._progress_sink: ProgressSink | None = None
+        #: The tools whose calls may run lean (:meth:`_lean_body`), made when first needed;
+        #: None again whenever a tool or a stage is added.
+        self._lean: (
+            dict[str, tuple[Callable[..., Any], dict[str, frozenset[type]], frozenset[str]]] | None
+        ) = None
 
     # ---- registration
 
@@ -202,12 +207,14 @@ class Registry:
             finalize=finalize,
         )
         self._tools[tool_name] = spec
+        self._lean = None
         return spec
 
     def pre_execute(self, policy: PrePolicy) -> PrePolicy:
         """Add a pre-execute policy (decorator). It may deny; it never sees a replaceable
         signal."""
         self._pre.append(policy)
+        self._lean = None
         return policy
 
     def approval(self, hook: ApprovalHook) -> ApprovalHook:
@@ -215,21 +222,25 @@ class Registry:
         if self._approval is not None:
             raise ConfigurationError("an approval hook is already set")
         self._approval = hook
+        self._lean = None
         return hook
 
     def around_dispatch(self, wrapper: AroundDispatch) -> AroundDispatch:
         """Add an around-dispatch wrapper (decorator); the first added is the outermost."""
         self._wrappers.append(wrapper)
+        self._lean = None
         return wrapper
 
     def post_execute(self, policy: PostPolicy) -> PostPolicy:
         """Add a post-execute policy (decorator), run after the body returned a value."""
         self._post.append(policy)
+        self._lean = None
         return policy
 
     def observe(self, observer: ResultObserver) -> ResultObserver:
         """Add a result observer (decorator); it sees each published result exactly once."""
         self._observers.append(observer)
+        self._lean = None
         return observer
 
     # ---- introspection
@@ -434,6 +445,51 @@ class Registry:
             and not spec.is_async
             and not (self._pre or self._approval or self._wrappers or self._post or self._observers)
         )
+
+    def _lean_body(self, name: str, args: Any) -> Callable[..., Any] | None:
+        """The body of a call of ``name`` with ``args`` (as msgpack decoded them) that may run
+        lean, in the worker (``_server.py``): no stage but the body, which is sync, takes no
+        execution view and has no content finalizer, and ``args`` bind to themselves
+        (:meth:`ToolSignature.plain_types`): the same result as :meth:`_execute_plain`, from
+        the body called with ``args`` as they are. None: the call runs the whole pipeline."""
+        lean = self._lean
+        if lean is None:
+            lean = self._lean = self._lean_tools()
+        entry = lean.get(name)
+        if entry is None or type(args) is not dict:
+            return None
+        fn, types, required = entry
+        if args:
+            for key, value in args.items():
+                admitted = types.get(key)
+                if admitted is None or type(value) not in admitted:
+                    return None
+            if required and not args.keys() >= required:
+                return None
+        elif required:
+            return None
+        return fn
+
+    def _lean_tools(
+        self,
+    ) -> dict[str, tuple[Callable[..., Any], dict[str, frozenset[type]], frozenset[str]]]:
+        """The tools :meth:`_lean_body` may run lean: each one's body and what its arguments
+        may be (:meth:`ToolSignature.plain_types`)."""
+        if self._pre or self._approval or self._wrappers or self._post or self._observers:
+            return {}
+        lean = {}
+        for name, spec in self._tools.items():
+            signature = spec.signature
+            plain = signature.plain_types()
+            if (
+                spec.is_async
+                or spec.finalize is not None
+                or signature.execution_param is not None
+                or plain is None
+            ):
+                continue
+            lean[name] = (spec.fn, *plain)
+        return lean
 
     def _execute_plain(
         self,

@@ -4,7 +4,10 @@ The worker serves one call at a time, so a tool body runs on the process's main 
 an ordinary program (CONTRACT C2.5): signal handlers, ``alarm``/``setitimer``, ``faulthandler``
 and main-thread-only libraries work in it. A plain sync call (``Registry._runs_plain``: no stage
 but the body) runs straight through on that thread, with no event loop; any other call runs on
-an asyncio loop on the same thread, its sync body invoked inline.
+an asyncio loop on the same thread, its sync body invoked inline. Most plain calls run lean
+(``Registry._lean_body``, ``_run_lean``: a body that takes no execution view, arguments that
+bind as they are): no controller, no bind, no result object; a cancel received is kept as its
+kind, read before the body is invoked and after it returns, as a signal would be.
 
 Two threads share the one socket, never at once (``mu`` guards it, and every other piece of
 state below):
@@ -45,6 +48,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import zmq
+
 from ..core import CancelCause, CancelController, cancel_with_runtime_cause
 from ..protocol import (
     CallMessage,
@@ -52,14 +57,16 @@ from ..protocol import (
     ResultMessage,
     decode_from_supervisor,
     decode_supervisor_frames,
+    new_result,
     pack_parts,
     pack_value,
+    unpack_args,
     unpack_value,
 )
 from ..protocol._ledger import LEDGER_SIZE, write_invoked, write_parts, write_slot, write_taken
 from ..sandbox._cgroups import others_listed
 from ..sandbox._linux import child_pids, reap_zombies
-from ._call import DecodedArgs
+from ._call import DecodedArgs, _lean_result, _lean_value
 from ._helpers import helpers
 from ._machine import (
     FireCancel,
@@ -76,8 +83,7 @@ from ._threads import start_thread_blocking_signals
 if TYPE_CHECKING:
     import mmap
 
-    import zmq
-
+    from ._call import ToolResult
     from ._capture import OutputCapture
     from ._registry import Registry
 
@@ -89,6 +95,9 @@ QUICK_BODY_WAIT = 0.0002
 TICK = 0.002
 #: After this long (seconds) without a call, the control thread stops looking.
 IDLE_AFTER = 0.05
+
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+RUSAGE_SELF, RUSAGE_CHILDREN = resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN
 
 #: This process's pid, read once and again in a child a fork makes (``os.register_at_fork``):
 #: a body's fork is noticed without a ``getpid`` per call.
@@ -116,9 +125,7 @@ class _Server:
         members: int | None = None,
         heartbeat: float = 0.0,
     ) -> None:
-        import zmq
-
-        from .._transport import fd_of, readable
+        from .._transport import fd_of
 
         self.capture = capture
         self.sock = sock
@@ -135,7 +142,11 @@ class _Server:
             heartbeat=heartbeat,
             spill=0 if ledger is None else len(ledger) - LEDGER_SIZE,
         )
-        self.current: tuple[int, CancelController] | None = None
+        # The call taken up, and its controller: None until the call needs one (a call that
+        # runs lean never does: ``_run_lean``); a cancel received meanwhile is kept in `cause`
+        # (the first one's kind), for the call to read or its controller to be cancelled with.
+        self.current: tuple[int, CancelController | None] | None = None
+        self.cause: str | None = None
         self.taken_at = 0.0  # when the current call was taken up
         self.started_at = 0.0  # when the current call's body was invoked
         # The end of the last call: its CPU reading (the next call's start, unless children
@@ -153,7 +164,6 @@ class _Server:
         self._failure: BaseException | None = None
         self._wakeup = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._fd = fd_of(sock)
-        self._readable = readable
         self._noblock = zmq.NOBLOCK
         self._rcvmore = zmq.RCVMORE
         self._loop: asyncio.AbstractEventLoop | None = None  # for calls with stages, async
@@ -183,9 +193,10 @@ class _Server:
                     if time.monotonic() >= machine.beat_due:  # (also in quick calls)
                         self._perform(machine.beat(time.monotonic()))
                     job = self._next()
-                self._fire_cancels()
+                if self._fire:
+                    self._fire_cancels()
                 if job is not None:
-                    self._run(*job)
+                    self._run(job)
                     continue
                 # Nothing to do until a message comes. No call runs, so the control thread
                 # keeps off the socket: wait in zmq itself (no edge of its fd to miss), at
@@ -207,35 +218,16 @@ class _Server:
             if self._loop is not None:
                 self._loop.close()
 
-    def _run(self, msg: CallMessage, controller: CancelController) -> None:
+    def _run(self, msg: CallMessage) -> None:
         call_id = msg.call_id
         before = self._begin()
         args = self._args(msg)
-        registry = self.registry
-        if registry._runs_plain(msg.tool):
-            result = registry._execute_plain(
-                msg.tool,
-                args,
-                controller=controller,
-                call_id=str(call_id),
-                on_dispatch=lambda: self._invoked(call_id, False),
-            )
+        body = self.registry._lean_body(msg.tool, args)
+        if body is not None:
+            reply, parts = self._run_lean(call_id, msg.tool, body, args, before)
         else:
-            spec = self.specs.get(msg.tool)
-            is_async = spec is not None and spec.is_async
-            result = self._event_loop().run_until_complete(
-                registry.execute_owned(
-                    msg.tool,
-                    args,
-                    controller=controller,
-                    call_id=str(call_id),
-                    on_dispatch=lambda: self._invoked(call_id, is_async),
-                )
-            )
-        extras = self._extras(before)
-        if self.capture is not None:
-            extras["output"], extras["output_dropped"] = self.capture.collect(call_id)
-        reply, parts = self._reply(call_id, result, extras)
+            result = self._run_staged(msg, args)
+            reply, parts = self._reply(call_id, result, self._extras(before))
         with self.mu:
             # Kept in the ledger and sent; or, while another call is queued, held back to go
             # with the next ones in one go (one wake-up of each side's zmq thread for several),
@@ -248,6 +240,78 @@ class _Server:
             self.watching = False
         if wake:
             self._wake()
+
+    def _run_lean(
+        self,
+        call_id: int,
+        tool: str,
+        body: Callable[..., Any],
+        args: dict[str, Any],
+        before: tuple[float, float],
+    ) -> tuple[ResultMessage, Sequence[bytes]]:
+        """A call that runs lean (``Registry._lean_body``): its body called here with its
+        arguments as they came, with no controller (a cancel received is read from `cause`
+        before the body is invoked and after it returns, as ``_invoke_plain`` reads its
+        signal), and no result object unless it did not return a value it could pack."""
+        exc: BaseException | None = None
+        value: Any = None
+        started = self.cause is None
+        if started:
+            if self.ledger is not None:  # (the machine's MarkInvoked, without its lock)
+                write_invoked(self.ledger, call_id)
+            self.started_at = time.monotonic()
+            try:
+                try:
+                    value = body(**args)
+                except StopIteration as raised:  # (as _call_sync_body has it)
+                    raise RuntimeError("coroutine raised StopIteration") from raised
+                finally:
+                    if _pid[0] != self.pid:
+                        os._exit(0)  # (a leftover of the call: see _call_sync)
+            except BaseException as caught:  # a result, like any failure of a body (C2.6)
+                exc = caught
+        cause = self.cause
+        packed = _lean_value(value) if exc is None and cause is None else None
+        if packed is None:
+            result = _lean_result(tool, str(call_id), cause, started=started, exc=exc, value=value)
+            return self._reply(call_id, result, self._extras(before))
+        return self._message(
+            call_id, "ok", packed[0], packed[1], None, None, True, {}, self._extras(before)
+        )
+
+    def _run_staged(self, msg: CallMessage, args: Any) -> ToolResult:
+        """A call that does not run lean: through the registry's pipeline, with a controller
+        (a cancel received before it was made cancels it at once)."""
+        call_id = msg.call_id
+        controller = CancelController()
+        with self.mu:
+            self.current = (call_id, controller)
+            cause = self.cause
+        if cause is not None:
+            cancel_with_runtime_cause(controller, CancelCause(cause))  # type: ignore[arg-type]
+        # Fresh from msgpack, held by nobody else: the registry freezes them without a copy.
+        if type(args) is dict:
+            args = DecodedArgs(args)
+        registry = self.registry
+        if registry._runs_plain(msg.tool):
+            return registry._execute_plain(
+                msg.tool,
+                args,
+                controller=controller,
+                call_id=str(call_id),
+                on_dispatch=lambda: self._invoked(call_id, False),
+            )
+        spec = self.specs.get(msg.tool)
+        is_async = spec is not None and spec.is_async
+        return self._event_loop().run_until_complete(
+            registry.execute_owned(
+                msg.tool,
+                args,
+                controller=controller,
+                call_id=str(call_id),
+                on_dispatch=lambda: self._invoked(call_id, is_async),
+            )
+        )
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -297,7 +361,7 @@ class _Server:
             self._perform(out)
         return wait
 
-    def _next(self) -> tuple[CallMessage, CancelController] | None:
+    def _next(self) -> CallMessage | None:
         """With the lock, on the main thread: take up the next queued call, if it may be."""
         out = self.machine.next()
         if not out:
@@ -309,14 +373,14 @@ class _Server:
         msg = run.msg
         if run.mark:
             write_taken(self.ledger, msg.call_id)  # type: ignore[arg-type]
-        controller = CancelController()
-        self.current = (msg.call_id, controller)
+        self.current = (msg.call_id, None)
+        self.cause = None
         self.started_at = 0.0
         self.taken_at = self.active_at = time.monotonic()
         if not self.looking:
             self.looking = True
             self._wake()
-        return msg, controller
+        return msg
 
     def _invoked(self, call_id: int, is_async: bool) -> None:
         """The body is about to be invoked: the ledger says so first. ('started' is for the
@@ -339,9 +403,9 @@ class _Server:
 
     def _drain(self) -> None:
         sock = self.sock
-        while self._readable(sock):
-            # All parts of one message (the calls sent together): one check of the socket's
-            # events per message, not per frame.
+        # (_transport.readable, inline: twice a call.) All parts of one message (the calls
+        # sent together): one check of the socket's events per message, not per frame.
+        while sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # (an int)
             self._handle_frames(self._recv(self._noblock))
 
     def _recv(self, flags: int) -> list[Any]:
@@ -359,7 +423,9 @@ class _Server:
             if len(frames) == 1:  # (most messages: one frame, no parts)
                 msg = decode_from_supervisor(frames[0], max_len=self.max_frame)
                 if type(msg) is not CallMessage or not msg.parts:
-                    self._handle(msg)
+                    out = self.machine.receive(msg)  # (_handle, inline: once a call)
+                    if out:
+                        self._perform(out)
                     return
             messages = decode_supervisor_frames(frames, max_len=self.max_frame)
         except ProtocolViolation:
@@ -386,28 +452,33 @@ class _Server:
     def _perform(self, actions: Sequence[WorkerAction]) -> None:
         """With the lock: do what the machine asked, in order."""
         for action in actions:
-            if isinstance(action, SendFrames):
+            # (By type, the kinds every call asks for first: KeepResult, SendFrames.)
+            if type(action) is KeepResult:
+                assert self.ledger is not None
+                write_slot(self.ledger, action.slot, action.seq, action.frame)
+            elif type(action) is SendFrames:
                 frames = action.frames
                 if len(frames) == 1:
                     frame = frames[0]
                     self.sock.send(frame, 0, copy=len(frame) < 65536)
                 else:  # one message, one frame a result: one wake-up of each side's zmq thread
                     self.sock.send_multipart(frames, 0, copy=True)
-            elif isinstance(action, KeepResult):
-                assert self.ledger is not None
-                write_slot(self.ledger, action.slot, action.seq, action.frame)
-            elif isinstance(action, SpillParts):
+            elif type(action) is SpillParts:
                 assert self.ledger is not None
                 write_parts(self.ledger, action.at, action.parts)
-            elif isinstance(action, MarkInvoked):
+            elif type(action) is MarkInvoked:
                 assert self.ledger is not None
                 write_invoked(self.ledger, action.call_id)
-            elif isinstance(action, FireCancel):
+            elif type(action) is FireCancel:
                 current = self.current
                 if current is not None and current[0] == action.call_id:
-                    # Fired once the lock is released: its callbacks may wait on the loop.
-                    cause = CancelCause(action.cause)  # type: ignore[arg-type]
-                    self._fire.append((current[1], cause))
+                    controller = current[1]
+                    if controller is None:  # none made yet: the call reads it (the first)
+                        if self.cause is None:
+                            self.cause = action.cause
+                    else:  # fired once the lock is released: its callbacks may wait on the loop
+                        cause = CancelCause(action.cause)  # type: ignore[arg-type]
+                        self._fire.append((controller, cause))
 
     # The control thread.
 
@@ -489,26 +560,66 @@ class _Server:
 
     def _args(self, msg: CallMessage) -> Any:
         try:
-            args = unpack_value(msg.args, self.max_frame, msg.data)
+            return unpack_args(msg.args, self.max_frame, msg.data)
         except ValueError as exc:
             return exc  # the registry turns a non-mapping into an ordinary `error`
-        # Fresh from msgpack, held by nobody else: the registry freezes them without a copy.
-        return DecodedArgs(args) if type(args) is dict else args
 
     def _extras(self, before: tuple[float, float]) -> dict[str, Any]:
-        extras, self._usage = _usage_since(before)
+        """The call's CPU time (the worker's threads and children reaped meanwhile, since
+        ``before``), the high-water mark of resident memory (the worker's, or its largest
+        reaped child's), when its body was invoked; and the reading now (:func:`_usage`'s),
+        the next call's start."""
+        own = resource.getrusage(RUSAGE_SELF)
+        kids = resource.getrusage(RUSAGE_CHILDREN)
+        now = self._usage = (own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime)
+        extras = {
+            "cpu_time": (now[0] - before[0]) + (now[1] - before[1]),
+            "max_rss": max(own.ru_maxrss, kids.ru_maxrss) * 1024,
+        }
         if self.started_at:
             extras["started_at"] = self.started_at
         return extras
 
     def _reply(
-        self, call_id: int, result: Any, extras: dict[str, Any]
+        self, call_id: int, result: ToolResult, extras: dict[str, Any]
     ) -> tuple[ResultMessage, Sequence[bytes]]:
-        """The call is over: count its leftovers (one wait call, if it has no child); its
-        result message (the machine keeps it in the ledger, and sends it or holds it back)
-        and the parts of its value (the machine puts them in the ledger's spill)."""
-        kept = helpers()
+        """The call is over with ``result``: its :meth:`_message`."""
+        packed = result._packed_value
+        parts: Sequence[bytes] = result._packed_parts
+        if packed is None and result.value is not None:
+            packed, parts = pack_parts(result.value)
+        return self._message(
+            call_id,
+            result.outcome._value_,
+            packed,
+            parts,
+            result.error,
+            result.error_name,
+            result.body_started,
+            dict(result.context),
+            extras,
+        )
+
+    def _message(
+        self,
+        call_id: int,
+        outcome: str,
+        packed: bytes | None,
+        parts: Sequence[bytes],
+        error: str | None,
+        error_name: str | None,
+        started: bool,
+        context: dict[str, Any],
+        extras: dict[str, Any],
+    ) -> tuple[ResultMessage, Sequence[bytes]]:
+        """The call is over: its captured output; its leftovers counted (one wait call, if
+        it has no child); its result message (the machine keeps it in the ledger, and sends
+        it or holds it back) and the parts of its value (the machine puts them in the
+        ledger's spill)."""
+        if self.capture is not None:
+            extras["output"], extras["output_dropped"] = self.capture.collect(call_id)
         self._had_children = _has_children()
+        kept = helpers() if self._had_children or self.members is not None else frozenset()
         leftovers = len(set(_children()) - kept) if self._had_children else 0
         if not leftovers and self.members is not None:
             try:
@@ -518,23 +629,12 @@ class _Server:
                     leftovers = len({int(p) for p in listed.split()} - kept - {self.pid})
             except OSError:
                 leftovers = 0
-        packed = result._packed_value
-        parts: Sequence[bytes] = result._packed_parts
-        if packed is None and result.value is not None:
-            packed, parts = pack_parts(result.value)
         if parts and self.ledger is None:  # no spill: the value goes inline
-            packed, parts = pack_value(unpack_value(packed, self.max_frame, parts)), ()
-        return ResultMessage(
-            call_id,
-            result.outcome.value,
-            packed,
-            result.error,
-            result.error_name,
-            result.body_started,
-            dict(result.context),
-            leftovers,
-            extras,
-        ), parts
+            packed, parts = pack_value(unpack_value(packed or b"", self.max_frame, parts)), ()
+        reply = new_result(
+            call_id, outcome, packed, error, error_name, started, context, leftovers, extras
+        )
+        return reply, parts
 
 
 def _children() -> list[int]:
@@ -544,22 +644,9 @@ def _children() -> list[int]:
 
 def _usage() -> tuple[float, float]:
     """CPU seconds used so far by this process and its reaped children."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = resource.getrusage(RUSAGE_SELF)
+    kids = resource.getrusage(RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
-
-
-def _usage_since(
-    before: tuple[float, float],
-) -> tuple[dict[str, Any], tuple[float, float]]:
-    """The call's CPU time (the worker's threads and children reaped meanwhile) and the
-    high-water mark of resident memory (the worker's, or its largest reaped child's); and the
-    reading now (:func:`_usage`'s), the next call's start."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    now = (own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime)
-    cpu = (now[0] - before[0]) + (now[1] - before[1])
-    return {"cpu_time": cpu, "max_rss": max(own.ru_maxrss, kids.ru_maxrss) * 1024}, now
 
 
 def _has_children() -> bool:
