@@ -208,13 +208,22 @@ def _setters(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
 
 _RESULT_FIELDS: Final = tuple(Result.__slots__)
 _TIMELINE_FIELDS: Final = tuple(Timeline.__slots__)
+#: A Result's fields set when it is made (what ``ok`` and a caller's first look read); the
+#: others are filled from its facts when one of them is first read (``_Deferred``).
+_FIRST: Final = ("call_id", "tool", "outcome", "value")
+_LATER: Final = tuple(n for n in _RESULT_FIELDS if n not in _FIRST)
 # A Result and a Timeline are frozen dataclasses: their __init__ takes keywords and sets each
 # field through object.__setattr__. Built here from the facts, slot by slot (one unrolled
 # function each, made once): a third of the cost; every field is set, as __init__ would.
 _BUILD_SRC = "\n".join(
     (
-        "def _fill_result(r, " + ", ".join(_RESULT_FIELDS) + "):",
-        *(f"    _set_{n}(r, {n})" for n in _RESULT_FIELDS),
+        "def _make_result(" + ", ".join(_FIRST) + ", pending):",
+        "    r = _new(Result)",
+        *(f"    _set_{n}(r, {n})" for n in _FIRST),
+        "    _set__pending(r, pending)",
+        "    return r",
+        "def _fill_later(r, " + ", ".join(_LATER) + "):",
+        *(f"    _set_{n}(r, {n})" for n in _LATER),
         "def _timeline(times):",
         "    t = _new(Timeline)",
         "    get = times.get",
@@ -224,36 +233,40 @@ _BUILD_SRC = "\n".join(
 )
 _ns: dict[str, Any] = {
     "_new": _new,
+    "Result": Result,
     "Timeline": Timeline,
+    "_set__pending": Result.__mro__[1].__dict__["_pending"].__set__,
     **_setters(Result, _RESULT_FIELDS),
     **_setters(Timeline, _TIMELINE_FIELDS),
 }
 exec(_BUILD_SRC, _ns)
-_fill_result: Final[Callable[..., None]] = _ns["_fill_result"]
+_make_result: Final[Callable[..., Result]] = _ns["_make_result"]
+_fill_later: Final[Callable[..., None]] = _ns["_fill_later"]
 _timeline: Final[Callable[[dict[str, float]], Timeline]] = _ns["_timeline"]
 
 
 def _build_result(call: CallRecord) -> Result:
-    """call's Result (and Timeline), from the facts it settled with: either an outcome and
-    the settle's keywords (``Settlement.settle``), or a worker's result message with what the
-    supervisor added (``Settlement.settle_received``); each ends with its cause, rung, worker
-    pid and step times as they were at the settlement."""
+    """call's Result, from the facts it settled with: either an outcome and the settle's
+    keywords (``Settlement.settle``), or a worker's result message with what the supervisor
+    added (``Settlement.settle_received``); each ends with its cause, rung, worker pid and
+    step times as they were at the settlement. Its first fields are set now, the rest (and
+    its Timeline) when one of them is first read (``_fill``): the same values either way."""
     facts = call._facts
     assert facts is not None
-    r: Result = _new(Result)
+    head = facts[0]
+    outcome = OUTCOME_OF[head[0]] if type(head) is tuple else head
+    return _make_result(call.id, call.tool, outcome, facts[1], (_fill, (facts, call._index)))
+
+
+def _fill(r: Result, pending: tuple[tuple[Any, ...], int | None]) -> None:
+    """Set the fields of r that ``_build_result`` left for later."""
+    facts, index = pending
     head = facts[0]
     if type(head) is tuple:  # a worker's result: (its fields), value, leftovers killed, peak
-        (outcome, error, error_name, body_started, context, extras), value, killed, peak = (
-            head,
-            *facts[1:4],
-        )
+        (_, error, error_name, body_started, context, extras) = head
         output = extras.get("output")
-        _fill_result(
+        _fill_later(
             r,
-            call.id,
-            call.tool,
-            OUTCOME_OF[outcome],
-            value,
             error,
             error_name,
             body_started,
@@ -263,18 +276,18 @@ def _build_result(call: CallRecord) -> Result:
             None,
             None,
             MappingProxyType(context) if context else _NO_CONTEXT,
-            killed,
+            facts[2],
             extras.get("cpu_time"),
             extras.get("max_rss"),
-            peak,
+            facts[3],
             None if output is None else output.decode("utf-8", "replace"),
             extras.get("output_dropped", 0),
             None,
             _timeline(facts[7]),
-            call._index,
+            index,
         )
-        return r
-    (outcome, value, error, error_name, body_started, context, exit_status, killed) = facts[:8]
+        return
+    (error, error_name, body_started, context, exit_status, killed) = facts[2:8]
     (cpu_time, max_rss, output, dropped, tree_max_memory, tree_verified) = facts[8:14]
     exit_code = exit_signal = None
     if exit_status is not None:
@@ -282,12 +295,8 @@ def _build_result(call: CallRecord) -> Result:
             exit_signal = -exit_status
         else:
             exit_code = exit_status
-    _fill_result(
+    _fill_later(
         r,
-        call.id,
-        call.tool,
-        outcome,
-        value,
         error,
         error_name,
         body_started,
@@ -305,9 +314,8 @@ def _build_result(call: CallRecord) -> Result:
         dropped,
         tree_verified,
         _timeline(facts[17]),
-        call._index,
+        index,
     )
-    return r
 
 
 class GroupRecord:
