@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any, Final
 
 from ...core import CancelCause, CancelController, CancelSignal, Outcome, WorkerStartError
-from .._results import Progress, Result, Rung, Timeline, WorkerState
+from .._results import Progress, Result, Rung, Timeline, WorkerState, _Deferred
 
 __all__ = (
     "KILLED_TEXT",
@@ -198,7 +198,8 @@ class CallRecord:
 
 #: Outcome by its value: a dict lookup, not ``Outcome(value)`` (an Enum call) per result.
 OUTCOME_OF: Final[dict[str, Outcome]] = {o._value_: o for o in Outcome}
-_NO_CONTEXT: Final[MappingProxyType[str, Any]] = MappingProxyType({})  # read-only: one serves all
+#: A Result's empty context: read-only, one serves all.
+NO_CONTEXT: Final[MappingProxyType[str, Any]] = MappingProxyType({})
 _new = object.__new__
 
 
@@ -208,22 +209,33 @@ def _setters(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
 
 _RESULT_FIELDS: Final = tuple(Result.__slots__)
 _TIMELINE_FIELDS: Final = tuple(Timeline.__slots__)
-#: A Result's fields set when it is made (what ``ok`` and a caller's first look read); the
-#: others are filled from its facts when one of them is first read (``_Deferred``).
-_FIRST: Final = ("call_id", "tool", "outcome", "value")
-_LATER: Final = tuple(n for n in _RESULT_FIELDS if n not in _FIRST)
+#: A call's facts (``CallRecord._facts``, made by ``Settlement.settle`` and
+#: ``settle_received``): its Result's fields after ``call_id`` and ``tool``, in their order,
+#: with the step times in place of the Timeline (a dict the call no longer writes to).
+FACT_FIELDS: Final = _RESULT_FIELDS[2:]
 # A Result and a Timeline are frozen dataclasses: their __init__ takes keywords and sets each
-# field through object.__setattr__. Built here from the facts, slot by slot (one unrolled
-# function each, made once): a third of the cost; every field is set, as __init__ would.
+# field through object.__setattr__. Made here slot by slot (one unrolled function each, made
+# once): a third of the cost. A Result gets its first fields when it is made (what ``ok`` and
+# a caller's first look read), the others from its facts when one of them is first read
+# (``_results._Deferred``); every field is set, as __init__ would.
 _BUILD_SRC = "\n".join(
     (
-        "def _make_result(" + ", ".join(_FIRST) + ", pending):",
+        "def _make_result(call_id, tool, facts):",
         "    r = _new(Result)",
-        *(f"    _set_{n}(r, {n})" for n in _FIRST),
-        "    _set__pending(r, pending)",
+        "    _set_call_id(r, call_id)",
+        "    _set_tool(r, tool)",
+        "    _set_outcome(r, facts[0])",
+        "    _set_value(r, facts[1])",
+        "    _set__pending(r, facts)",
         "    return r",
-        "def _fill_later(r, " + ", ".join(_LATER) + "):",
-        *(f"    _set_{n}(r, {n})" for n in _LATER),
+        "def _fill(r, facts):",
+        *(
+            f"    _set_{n}(r, _timeline(facts[{i}]))"
+            if n == "timeline"
+            else f"    _set_{n}(r, facts[{i}])"
+            for i, n in enumerate(FACT_FIELDS)
+            if i > 1
+        ),
         "def _timeline(times):",
         "    t = _new(Timeline)",
         "    get = times.get",
@@ -235,87 +247,22 @@ _ns: dict[str, Any] = {
     "_new": _new,
     "Result": Result,
     "Timeline": Timeline,
-    "_set__pending": Result.__mro__[1].__dict__["_pending"].__set__,
+    "_set__pending": _Deferred.__dict__["_pending"].__set__,
     **_setters(Result, _RESULT_FIELDS),
     **_setters(Timeline, _TIMELINE_FIELDS),
 }
 exec(_BUILD_SRC, _ns)
-_make_result: Final[Callable[..., Result]] = _ns["_make_result"]
-_fill_later: Final[Callable[..., None]] = _ns["_fill_later"]
+_make_result: Final[Callable[[int, str, tuple[Any, ...]], Result]] = _ns["_make_result"]
 _timeline: Final[Callable[[dict[str, float]], Timeline]] = _ns["_timeline"]
+_Deferred._fill = _ns["_fill"]
 
 
 def _build_result(call: CallRecord) -> Result:
-    """call's Result, from the facts it settled with: either an outcome and the settle's
-    keywords (``Settlement.settle``), or a worker's result message with what the supervisor
-    added (``Settlement.settle_received``); each ends with its cause, rung, worker pid and
-    step times as they were at the settlement. Its first fields are set now, the rest (and
-    its Timeline) when one of them is first read (``_fill``): the same values either way."""
+    """call's Result, from the facts it settled with (``FACT_FIELDS``): its first fields now,
+    the rest (and its Timeline) when one of them is first read."""
     facts = call._facts
     assert facts is not None
-    head = facts[0]
-    outcome = OUTCOME_OF[head[0]] if type(head) is tuple else head
-    return _make_result(call.id, call.tool, outcome, facts[1], (_fill, (facts, call._index)))
-
-
-def _fill(r: Result, pending: tuple[tuple[Any, ...], int | None]) -> None:
-    """Set the fields of r that ``_build_result`` left for later."""
-    facts, index = pending
-    head = facts[0]
-    if type(head) is tuple:  # a worker's result: (its fields), value, leftovers killed, peak
-        (_, error, error_name, body_started, context, extras) = head
-        output = extras.get("output")
-        _fill_later(
-            r,
-            error,
-            error_name,
-            body_started,
-            facts[4],
-            facts[5],
-            facts[6],
-            None,
-            None,
-            MappingProxyType(context) if context else _NO_CONTEXT,
-            facts[2],
-            extras.get("cpu_time"),
-            extras.get("max_rss"),
-            facts[3],
-            None if output is None else output.decode("utf-8", "replace"),
-            extras.get("output_dropped", 0),
-            None,
-            _timeline(facts[7]),
-            index,
-        )
-        return
-    (error, error_name, body_started, context, exit_status, killed) = facts[2:8]
-    (cpu_time, max_rss, output, dropped, tree_max_memory, tree_verified) = facts[8:14]
-    exit_code = exit_signal = None
-    if exit_status is not None:
-        if exit_status < 0:
-            exit_signal = -exit_status
-        else:
-            exit_code = exit_status
-    _fill_later(
-        r,
-        error,
-        error_name,
-        body_started,
-        facts[14],
-        facts[15],
-        facts[16],
-        exit_code,
-        exit_signal,
-        MappingProxyType(dict(context)) if context else _NO_CONTEXT,
-        killed,
-        cpu_time,
-        max_rss,
-        tree_max_memory,
-        output,
-        dropped,
-        tree_verified,
-        _timeline(facts[17]),
-        index,
-    )
+    return _make_result(call.id, call.tool, facts)
 
 
 class GroupRecord:
