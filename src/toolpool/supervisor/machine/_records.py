@@ -200,7 +200,6 @@ class CallRecord:
 OUTCOME_OF: Final[dict[str, Outcome]] = {o._value_: o for o in Outcome}
 #: A Result's empty context: read-only, one serves all.
 NO_CONTEXT: Final[MappingProxyType[str, Any]] = MappingProxyType({})
-_new = object.__new__
 
 
 def _setters(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
@@ -214,46 +213,49 @@ _TIMELINE_FIELDS: Final = tuple(Timeline.__slots__)
 #: with the step times in place of the Timeline (a dict the call no longer writes to).
 FACT_FIELDS: Final = _RESULT_FIELDS[2:]
 # A Result and a Timeline are frozen dataclasses: their __init__ takes keywords and sets each
-# field through object.__setattr__. Made here slot by slot (one unrolled function each, made
-# once): a third of the cost. A Result gets its first fields when it is made (what ``ok`` and
-# a caller's first look read), the others from its facts when one of them is first read
-# (``_results._Deferred``); every field is set, as __init__ would.
+# field through object.__setattr__ (a call of a method per field). Each is made here as an
+# instance of a twin class (its slots, in its order, on the same base: a plain __init__ that
+# stores them, the cheapest way Python sets a slot) that then becomes one (``__class__``:
+# the two have the same layout). A Result gets its first fields when it is made (what ``ok``
+# and a caller's first look read), the others from its facts when one of them is first read
+# (``_results._Deferred``: slot by slot, through the slots' own setters, on a result that
+# others may already hold); every field is set, as __init__ would.
 _BUILD_SRC = "\n".join(
     (
-        "def _make_result(call_id, tool, facts):",
-        "    r = _new(Result)",
-        "    _set_call_id(r, call_id)",
-        "    _set_tool(r, tool)",
-        "    _set_outcome(r, facts[0])",
-        "    _set_value(r, facts[1])",
-        "    _set__pending(r, facts)",
-        "    return r",
+        "class _NewResult(_Deferred):",
+        f"    __slots__ = {_RESULT_FIELDS!r}",
+        "    def __init__(self, call_id, tool, facts):",
+        "        self.call_id = call_id",
+        "        self.tool = tool",
+        "        self.outcome = facts[0]",
+        "        self.value = facts[1]",
+        "        self._pending = facts",
+        "        self.__class__ = Result",
+        "class _NewTimeline:",
+        f"    __slots__ = {_TIMELINE_FIELDS!r}",
+        "    def __init__(self, times):",
+        "        get = times.get",
+        *(f"        self.{n} = get({n!r})" for n in _TIMELINE_FIELDS),
+        "        self.__class__ = Timeline",
         "def _fill(r, facts):",
         *(
-            f"    _set_{n}(r, _timeline(facts[{i}]))"
+            f"    _set_{n}(r, _NewTimeline(facts[{i}]))"
             if n == "timeline"
             else f"    _set_{n}(r, facts[{i}])"
             for i, n in enumerate(FACT_FIELDS)
             if i > 1
         ),
-        "def _timeline(times):",
-        "    t = _new(Timeline)",
-        "    get = times.get",
-        *(f"    _set_{n}(t, get({n!r}))" for n in _TIMELINE_FIELDS),
-        "    return t",
     )
 )
 _ns: dict[str, Any] = {
-    "_new": _new,
+    "_Deferred": _Deferred,
     "Result": Result,
     "Timeline": Timeline,
-    "_set__pending": _Deferred.__dict__["_pending"].__set__,
     **_setters(Result, _RESULT_FIELDS),
-    **_setters(Timeline, _TIMELINE_FIELDS),
 }
 exec(_BUILD_SRC, _ns)
-_make_result: Final[Callable[[int, str, tuple[Any, ...]], Result]] = _ns["_make_result"]
-_timeline: Final[Callable[[dict[str, float]], Timeline]] = _ns["_timeline"]
+_make_result: Final[Callable[[int, str, tuple[Any, ...]], Result]] = _ns["_NewResult"]
+_timeline: Final[Callable[[dict[str, float]], Timeline]] = _ns["_NewTimeline"]
 _Deferred._fill = _ns["_fill"]
 
 
