@@ -160,7 +160,8 @@ class Settlement:
         call._state = _SETTLED
         owner = call._owner
         tally = owner.tally if owner is not None else s.tallies[""]
-        tally.by_tool[call.tool, kind] += 1  # (and so ``settled``, by outcome)
+        by_tool, key = tally.by_tool, (call.tool, kind)
+        by_tool[key] = by_tool.get(key, 0) + 1  # (and so ``settled``, by outcome)
         latency = now - times["submitted"]  # (Buckets.observe, inline: the hot path)
         buckets = tally.settle_latency
         buckets.counts[bisect_left(buckets.bounds, latency)] += 1
