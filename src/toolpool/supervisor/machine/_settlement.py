@@ -277,7 +277,8 @@ class Settlement:
     ) -> tuple[CallRecord, ResultMessage, Any, int | None]:
         """:meth:`received`, as the arguments of :meth:`settle_received` (no partial made
         where the caller settles at once)."""
-        call = w.call
+        calls = w.calls
+        call = calls[0] if calls else None  # (w.call, inline)
         if call is None or call.id != msg.call_id:
             raise ProtocolViolation(f"result for call {msg.call_id}, which it does not own")
         w.results += 1
