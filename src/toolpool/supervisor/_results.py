@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import enum
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any, final
+from typing import TYPE_CHECKING, Any, ClassVar, final
 
 from ..core import CancelCause, Outcome
 
@@ -93,9 +93,41 @@ class Timeline:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+class _Deferred:
+    """The base of :class:`Result`: the pool makes a result with its first fields only
+    (``call_id``, ``tool``, ``outcome``, ``value``) and fills the rest from the facts it
+    settled with the first time one of them is read (the hot path reads ``ok`` and
+    ``value``). ``_pending`` holds those facts until then; ``_fill`` (set by
+    ``machine/_records.py``, whose layout they are) fills the fields from them. A result made
+    by its own ``__init__`` has every field, and never looks here."""
+
+    __slots__ = ("_pending",)
+    _fill: ClassVar[Callable[[Any, tuple[Any, ...]], None]]
+
+    if not TYPE_CHECKING:  # (for mypy, no attribute of a Result is dynamic)
+
+        def __getattr__(self, name: str) -> Any:
+            # Only a field not set yet comes here (or a name no Result has).
+            try:
+                facts = _get_pending(self)
+            except AttributeError:
+                pass  # (none pending; or another thread just filled them)
+            else:
+                _Deferred._fill(self, facts)
+                try:
+                    _del_pending(self)
+                except AttributeError:
+                    pass  # (another thread's fill did)
+            return object.__getattribute__(self, name)
+
+
+_get_pending = _Deferred.__dict__["_pending"].__get__
+_del_pending = _Deferred.__dict__["_pending"].__delete__
+
+
 @final
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Result:
+class Result(_Deferred):
     """The settled result of a pool call: what happened to the tool body, and the facts.
 
     Created by the pool only.

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any, Final
 
 from ...core import CancelCause, CancelController, CancelSignal, Outcome, WorkerStartError
-from .._results import Progress, Result, Rung, Timeline, WorkerState
+from .._results import Progress, Result, Rung, Timeline, WorkerState, _Deferred
 
 __all__ = (
     "KILLED_TEXT",
@@ -198,8 +198,8 @@ class CallRecord:
 
 #: Outcome by its value: a dict lookup, not ``Outcome(value)`` (an Enum call) per result.
 OUTCOME_OF: Final[dict[str, Outcome]] = {o._value_: o for o in Outcome}
-_NO_CONTEXT: Final[MappingProxyType[str, Any]] = MappingProxyType({})  # read-only: one serves all
-_new = object.__new__
+#: A Result's empty context: read-only, one serves all.
+NO_CONTEXT: Final[MappingProxyType[str, Any]] = MappingProxyType({})
 
 
 def _setters(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
@@ -208,106 +208,63 @@ def _setters(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
 
 _RESULT_FIELDS: Final = tuple(Result.__slots__)
 _TIMELINE_FIELDS: Final = tuple(Timeline.__slots__)
+#: A call's facts (``CallRecord._facts``, made by ``Settlement.settle`` and
+#: ``settle_received``): its Result's fields after ``call_id`` and ``tool``, in their order,
+#: with the step times in place of the Timeline (a dict the call no longer writes to).
+FACT_FIELDS: Final = _RESULT_FIELDS[2:]
 # A Result and a Timeline are frozen dataclasses: their __init__ takes keywords and sets each
-# field through object.__setattr__. Built here from the facts, slot by slot (one unrolled
-# function each, made once): a third of the cost; every field is set, as __init__ would.
+# field through object.__setattr__ (a call of a method per field). Each is made here as an
+# instance of a twin class (its slots, in its order, on the same base: a plain __init__ that
+# stores them, the cheapest way Python sets a slot) that then becomes one (``__class__``:
+# the two have the same layout). A Result gets its first fields when it is made (what ``ok``
+# and a caller's first look read), the others from its facts when one of them is first read
+# (``_results._Deferred``: slot by slot, through the slots' own setters, on a result that
+# others may already hold); every field is set, as __init__ would.
 _BUILD_SRC = "\n".join(
     (
-        "def _fill_result(r, " + ", ".join(_RESULT_FIELDS) + "):",
-        *(f"    _set_{n}(r, {n})" for n in _RESULT_FIELDS),
-        "def _timeline(times):",
-        "    t = _new(Timeline)",
-        "    get = times.get",
-        *(f"    _set_{n}(t, get({n!r}))" for n in _TIMELINE_FIELDS),
-        "    return t",
+        "class _NewResult(_Deferred):",
+        f"    __slots__ = {_RESULT_FIELDS!r}",
+        "    def __init__(self, call_id, tool, facts):",
+        "        self.call_id = call_id",
+        "        self.tool = tool",
+        "        self.outcome = facts[0]",
+        "        self.value = facts[1]",
+        "        self._pending = facts",
+        "        self.__class__ = Result",
+        "class _NewTimeline:",
+        f"    __slots__ = {_TIMELINE_FIELDS!r}",
+        "    def __init__(self, times):",
+        "        get = times.get",
+        *(f"        self.{n} = get({n!r})" for n in _TIMELINE_FIELDS),
+        "        self.__class__ = Timeline",
+        "def _fill(r, facts):",
+        *(
+            f"    _set_{n}(r, _NewTimeline(facts[{i}]))"
+            if n == "timeline"
+            else f"    _set_{n}(r, facts[{i}])"
+            for i, n in enumerate(FACT_FIELDS)
+            if i > 1
+        ),
     )
 )
 _ns: dict[str, Any] = {
-    "_new": _new,
+    "_Deferred": _Deferred,
+    "Result": Result,
     "Timeline": Timeline,
     **_setters(Result, _RESULT_FIELDS),
-    **_setters(Timeline, _TIMELINE_FIELDS),
 }
 exec(_BUILD_SRC, _ns)
-_fill_result: Final[Callable[..., None]] = _ns["_fill_result"]
-_timeline: Final[Callable[[dict[str, float]], Timeline]] = _ns["_timeline"]
+_make_result: Final[Callable[[int, str, tuple[Any, ...]], Result]] = _ns["_NewResult"]
+_timeline: Final[Callable[[dict[str, float]], Timeline]] = _ns["_NewTimeline"]
+_Deferred._fill = _ns["_fill"]
 
 
 def _build_result(call: CallRecord) -> Result:
-    """call's Result (and Timeline), from the facts it settled with: either an outcome and
-    the settle's keywords (``Settlement.settle``), or a worker's result message with what the
-    supervisor added (``Settlement.settle_received``); each ends with its cause, rung, worker
-    pid and step times as they were at the settlement."""
+    """call's Result, from the facts it settled with (``FACT_FIELDS``): its first fields now,
+    the rest (and its Timeline) when one of them is first read."""
     facts = call._facts
     assert facts is not None
-    r: Result = _new(Result)
-    head = facts[0]
-    if type(head) is tuple:  # a worker's result: (its fields), value, leftovers killed, peak
-        (outcome, error, error_name, body_started, context, extras), value, killed, peak = (
-            head,
-            *facts[1:4],
-        )
-        output = extras.get("output")
-        _fill_result(
-            r,
-            call.id,
-            call.tool,
-            OUTCOME_OF[outcome],
-            value,
-            error,
-            error_name,
-            body_started,
-            facts[4],
-            facts[5],
-            facts[6],
-            None,
-            None,
-            MappingProxyType(context) if context else _NO_CONTEXT,
-            killed,
-            extras.get("cpu_time"),
-            extras.get("max_rss"),
-            peak,
-            None if output is None else output.decode("utf-8", "replace"),
-            extras.get("output_dropped", 0),
-            None,
-            _timeline(facts[7]),
-            call._index,
-        )
-        return r
-    (outcome, value, error, error_name, body_started, context, exit_status, killed) = facts[:8]
-    (cpu_time, max_rss, output, dropped, tree_max_memory, tree_verified) = facts[8:14]
-    exit_code = exit_signal = None
-    if exit_status is not None:
-        if exit_status < 0:
-            exit_signal = -exit_status
-        else:
-            exit_code = exit_status
-    _fill_result(
-        r,
-        call.id,
-        call.tool,
-        outcome,
-        value,
-        error,
-        error_name,
-        body_started,
-        facts[14],
-        facts[15],
-        facts[16],
-        exit_code,
-        exit_signal,
-        MappingProxyType(dict(context)) if context else _NO_CONTEXT,
-        killed,
-        cpu_time,
-        max_rss,
-        tree_max_memory,
-        output,
-        dropped,
-        tree_verified,
-        _timeline(facts[17]),
-        call._index,
-    )
-    return r
+    return _make_result(call.id, call.tool, facts)
 
 
 class GroupRecord:

@@ -8,6 +8,7 @@ import logging
 import signal
 from bisect import bisect_left
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Final
 
 from ...core import (
@@ -22,6 +23,8 @@ from .._results import Rung
 from ._actions import Settled
 from ._records import (
     KILLED_TEXT,
+    NO_CONTEXT,
+    OUTCOME_OF,
     TIMEOUT_TEXT,
     WORKER_LOST_TEXT,
     CallRecord,
@@ -71,52 +74,76 @@ class Settlement:
         if call._facts is not None:
             return
         w = call._worker
-        call._facts = (
+        exit_code = exit_signal = None
+        if exit_status is not None:
+            if exit_status < 0:
+                exit_signal = -exit_status
+            else:
+                exit_code = exit_status
+        call._facts = (  # (FACT_FIELDS)
             outcome,
             value,
             error,
             error_name,
             body_started,
-            context,
-            exit_status,
-            leftovers_killed,
-            cpu_time,
-            max_rss,
-            output,
-            output_dropped,
-            tree_max_memory,
-            tree_verified,
             call._cause,
             call._rung,
             w.pid if w is not None else None,
+            exit_code,
+            exit_signal,
+            MappingProxyType(dict(context)) if context else NO_CONTEXT,
+            leftovers_killed,
+            cpu_time,
+            max_rss,
+            tree_max_memory,
+            output,
+            output_dropped,
+            tree_verified,
             call._times,
+            call._index,
         )
         self._settled(call, outcome._value_, body_started)
 
     def settle_received(
         self,
         call: CallRecord,
-        fields: tuple[Any, ...],
+        msg: ResultMessage,
         value: Any,
         tree_max_memory: int | None,
         leftovers_killed: int = 0,
     ) -> None:
-        """Settle ``call`` with its worker's result (``received``): ``fields`` are the
-        message's (outcome, error, error_name, body_started, context, extras)."""
+        """Settle ``call`` with its worker's result ``msg`` (``received``), its value
+        unpacked."""
         if call._facts is not None:
             return
         w = call._worker
-        call._facts = (
-            fields,
+        extras = msg.extras
+        output = extras.get("output")
+        context = msg.context
+        body_started = msg.body_started
+        call._facts = (  # (FACT_FIELDS)
+            OUTCOME_OF[msg.outcome],
             value,
-            leftovers_killed,
-            tree_max_memory,
+            msg.error,
+            msg.error_name,
+            body_started,
             call._cause,
             call._rung,
             w.pid if w is not None else None,
+            None,
+            None,
+            MappingProxyType(context) if context else NO_CONTEXT,
+            leftovers_killed,
+            extras.get("cpu_time"),
+            extras.get("max_rss"),
+            tree_max_memory,
+            None if output is None else output.decode("utf-8", "replace"),
+            extras.get("output_dropped", 0),
+            None,
             call._times,
+            call._index,
         )
-        self._settled(call, fields[0], fields[3])
+        self._settled(call, msg.outcome, body_started)
 
     def _settled(self, call: CallRecord, kind: str, body_started: bool | None) -> None:
         """call just got its facts: the bookkeeping of its settlement."""
@@ -133,7 +160,8 @@ class Settlement:
         call._state = _SETTLED
         owner = call._owner
         tally = owner.tally if owner is not None else s.tallies[""]
-        tally.by_tool[call.tool, kind] += 1  # (and so ``settled``, by outcome)
+        by_tool, key = tally.by_tool, (call.tool, kind)
+        by_tool[key] = by_tool.get(key, 0) + 1  # (and so ``settled``, by outcome)
         latency = now - times["submitted"]  # (Buckets.observe, inline: the hot path)
         buckets = tally.settle_latency
         buckets.counts[bisect_left(buckets.bounds, latency)] += 1
@@ -246,10 +274,11 @@ class Settlement:
 
     def received_facts(
         self, w: WorkerRecord, msg: ResultMessage
-    ) -> tuple[CallRecord, tuple[Any, ...], Any, int | None]:
+    ) -> tuple[CallRecord, ResultMessage, Any, int | None]:
         """:meth:`received`, as the arguments of :meth:`settle_received` (no partial made
         where the caller settles at once)."""
-        call = w.call
+        calls = w.calls
+        call = calls[0] if calls else None  # (w.call, inline)
         if call is None or call.id != msg.call_id:
             raise ProtocolViolation(f"result for call {msg.call_id}, which it does not own")
         w.results += 1
@@ -276,8 +305,7 @@ class Settlement:
                 # The worker's monotonic clock is this one (same host); trust it only within
                 # what this side saw.
                 times["started"] = min(max(started_at, times["dispatched"]), now)
-        fields = (msg.outcome, msg.error, msg.error_name, msg.body_started, msg.context, extras)
-        return call, fields, value, self.s.probe.peak(w.wid)
+        return call, msg, value, self.s.probe.peak(w.wid)
 
     # ------------------------------------------------------------------ post-mortem
 

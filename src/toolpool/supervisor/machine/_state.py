@@ -94,7 +94,9 @@ class Tally:
 
     def __init__(self) -> None:
         #: Settled calls by (tool, outcome); by outcome alone: ``settled``, summed when read.
-        self.by_tool: collections.Counter[tuple[str, str]] = collections.Counter()
+        #: A plain dict: a Counter defines ``__delitem__`` in Python, which makes each of its
+        #: item assignments a call of ``__setitem__`` through a method wrapper (the hot path).
+        self.by_tool: dict[tuple[str, str], int] = {}
         self.escalations: collections.Counter[str] = collections.Counter()
         self.submitted = 0
         self.started = 0
@@ -115,7 +117,8 @@ class Tally:
     def total(cls, tallies: list[Tally]) -> Tally:
         out = cls()
         for t in tallies:
-            out.by_tool.update(t.by_tool)
+            for key, n in t.by_tool.items():
+                out.by_tool[key] = out.by_tool.get(key, 0) + n
             out.escalations.update(t.escalations)
             out.submitted += t.submitted
             out.started += t.started
