@@ -50,6 +50,7 @@ from toolpool.protocol import (
     ProgressMessage,
     ResultMessage,
     Resume,
+    Withdrawn,
     decode_from_supervisor,
     decode_from_worker,
     pack_value,
@@ -201,6 +202,12 @@ class World:
         self.group_cancelled_at: dict[int, float] = {}
         self.settled: dict[int, int] = collections.Counter()
         self.invoked_by: dict[int, list[int]] = collections.defaultdict(list)  # call -> wids
+        # The order of each call's last sending to a worker and of its last withdrawal (and
+        # by whom), and of each worker's last take-up of a call.
+        self.sent_at: dict[int, int] = {}
+        self.withdrawn_at: dict[int, tuple[int, int]] = {}
+        self.took_at: dict[int, int] = {}
+        self.events = 0
         self.sent_after_group_cancel: list[int] = []
         self.misrouted: list[str] = []  # calls sent to a worker not of their tool's provider
         self.refused = 0  # submits the shell would refuse (UnknownToolError)
@@ -306,6 +313,8 @@ class World:
             for frame in action.frames:
                 msg = decode_from_supervisor(frame)
                 if isinstance(msg, CallMessage):
+                    self.events += 1
+                    self.sent_at[msg.call_id] = self.events
                     call = self.calls[msg.call_id - 1]
                     # (A submit's dispatch is performed at the next flush: its worker may
                     # be gone from the core by then, its call back in the queue or settled.)
@@ -376,6 +385,10 @@ class World:
             return
         w.alive = False
         w.exit_status = status
+        if w.outbox and self.rng.random() < 0.3:
+            # What its zmq thread had not sent yet dies with it: a tail of its messages.
+            for _ in range(self.rng.randrange(1, len(w.outbox) + 1)):
+                w.outbox.pop()
         w.tree = w.lingers
         if w.orphan_waits:
             self.orphan_gone(w)
@@ -669,7 +682,11 @@ class World:
         for action in actions:
             if isinstance(action, SendFrames):
                 for frame in action.frames:
-                    w.outbox.append(decode_from_worker(frame))
+                    msg = decode_from_worker(frame)
+                    if isinstance(msg, Withdrawn):
+                        self.events += 1
+                        self.withdrawn_at[msg.call_id] = (self.events, w.wid)
+                    w.outbox.append(msg)
             elif isinstance(action, MarkInvoked):
                 w.invoked_mark = action.call_id + 1
                 self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
@@ -679,6 +696,8 @@ class World:
                 if w.current is not None and w.current.call_id == action.call_id:
                     w.current.cancelled = True
             elif isinstance(action, RunCall):
+                self.events += 1
+                self.took_at[w.wid] = self.events
                 if action.mark:
                     w.taken_mark = action.msg.call_id + 1
                     self.probe.marks_of[w.wid] = (w.taken_mark, w.invoked_mark)
@@ -738,6 +757,18 @@ class World:
             raise Violation(f"call {call.id}: body_started True, never invoked")
         if result.body_started is False and invoked:
             raise Violation(f"call {call.id}: body_started False, but its body ran")
+        withdrawn, by = self.withdrawn_at.get(call.id, (-1, 0))
+        if (
+            outcome in (Outcome.KILLED, Outcome.WORKER_LOST)
+            and call._cause is not None
+            and withdrawn > self.sent_at.get(call.id, -1)
+            and self.took_at.get(by, -1) > withdrawn
+            and not self.workers[by].violated
+        ):
+            # C4.6: a cancelled call the worker it was sent to last withdrew before taking
+            # up another (its ledger says so, though its 'withdrawn' may be lost with it)
+            # never started; that worker's death is not its.
+            raise Violation(f"call {call.id} {outcome.value}, but its worker withdrew it")
         if outcome in (Outcome.KILLED, Outcome.WORKER_LOST) and result.body_started is not False:
             wids = self.invoked_by.get(call.id) or []
             for wid in wids[-1:]:

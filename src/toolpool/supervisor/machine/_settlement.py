@@ -314,8 +314,10 @@ class Settlement:
         those never taken up, to run elsewhere (in order).
 
         Only its first call can have been taken up: w takes a call only once the result of
-        the one before is in the supervisor's hands or in its ledger. The calls behind it run
-        elsewhere (or, cancelled, settle as never started). The ledger's marks say whether
+        the one before is in the supervisor's hands or in its ledger, or withdrawn. The calls
+        behind it run elsewhere (or, cancelled, settle as never started). The ledger's marks
+        say which call was taken up last (before it, only calls w was asked to give back
+        and may have withdrawn) and whether
         the first one was taken up and its body invoked; they are the worker's own word,
         believed only where they are consistent with what this side saw, and never to run a
         call again more than once.
@@ -325,13 +327,20 @@ class Settlement:
         w.calls.clear()
         if not calls:
             return []
+        named = 0
+        if ledger is not None:
+            named = next((i for i, c in enumerate(calls[1:], 1) if ledger[0] == c.id + 1), 0)
+        withdrawn: list[CallRecord] = []
+        if named and not w.violated and all(self._may_have_withdrawn(w, c) for c in calls[:named]):
+            # Took up a call behind others with no result of theirs, each of which it was
+            # asked to give back: it withdrew them, and its 'withdrawn' was lost with it (a
+            # process that dies drops what its zmq thread had not sent yet). The call named
+            # is the one taken up.
+            withdrawn, calls, named = calls[:named], calls[named:], 0
         head = calls[0]
         taken: bool
         started: bool | None = None
         maybe: list[CallRecord] = []  # behind the first, and may have run too
-        named = 0
-        if ledger is not None:
-            named = next((i for i, c in enumerate(calls[1:], 1) if ledger[0] == c.id + 1), 0)
         if head._started:
             taken, started = True, True
         elif ledger is None or "sigterm" in head._times:
@@ -354,7 +363,14 @@ class Settlement:
             # said not to have started.
             maybe = calls[1 : named + 1]
         requeue: list[CallRecord] = []
-        for call in calls[1 + len(maybe) :] if taken else calls:
+        for call in withdrawn:
+            if call._cause is None:  # recalled: it runs elsewhere, on the worker's word
+                if call._requeued:  # put back once on such a word already: not again
+                    self._settle_dead(w, call, None)
+                call._requeued = True
+        for call in [*withdrawn, *(calls[1 + len(maybe) :] if taken else calls)]:
+            if call._facts is not None:
+                continue  # (settled just above)
             call._worker = None
             if call._cause is not None:  # never taken up, and cancelled meanwhile
                 call._rung = Rung.CANCEL
@@ -374,6 +390,18 @@ class Settlement:
         if requeue and requeue[0] is head:
             head._requeued = True
         return requeue
+
+    @staticmethod
+    def _may_have_withdrawn(w: WorkerRecord, call: CallRecord) -> bool:
+        """w was asked to give call back (a cancel, a recall, a shutdown) and did not say
+        its body started: it may have withdrawn it (as ``on_withdrawn`` accepts); unless it
+        left a cancel of it unanswered for the whole grace period, which a worker that
+        withdraws a call does at once."""
+        return (
+            not call._started
+            and (call._recalling or call.id in w.acks_expected)
+            and "sigterm" not in call._times
+        )
 
     def _settle_dead(self, w: WorkerRecord, call: CallRecord, started: bool | None) -> None:
         """call was (or may have been) taken up by w, whose tree is gone."""

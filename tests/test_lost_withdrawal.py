@@ -1,0 +1,108 @@
+"""A worker's 'withdrawn' lost with it (white box, on the pool's core).
+
+A worker withdraws a queued call it is asked to give back (a cancel, a recall) and may take
+up the next one at once; if that one kills it, its 'withdrawn' can die unsent in its zmq
+thread. Its ledger then names a call behind the withdrawn one, with no result of the one
+before it: the core must read that as the withdrawal it is, not as 'every call up to the one
+named may have run' (C4.6: a lost worker loses no other call). Found by
+``test_soak_mixed_calls``: a cancelled echo queued before a crash settled worker_lost.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from core_support import core_with_workers, sent
+from toolpool.core import CancelCause, Outcome
+from toolpool.protocol import CallMessage, ResultMessage, decode_from_supervisor, pack_value
+from toolpool.supervisor.machine import CallRecord
+
+NOW = 100.0
+
+
+def result_of(call: CallRecord) -> ResultMessage:
+    """An ok result kept in the ledger, as the worker sends one."""
+    return ResultMessage(
+        call.id, "ok", pack_value(call.id), None, None, True, {}, 0, {"kept": True}
+    )
+
+
+def calls_sent(frames: list[bytes]) -> list[int]:
+    msgs = [decode_from_supervisor(f) for f in frames]
+    return [m.call_id for m in msgs if isinstance(m, CallMessage)]
+
+
+@pytest.mark.timeout(30)
+def test_a_cancelled_call_withdrawn_before_a_crash_settles_as_never_started() -> None:
+    core, (w,), probe = core_with_workers(1)
+    a, b, c = (CallRecord(i, "noop", b"\x80", None, NOW) for i in (1, 2, 3))
+    for call in (a, b, c):
+        core.submit(call, timeout=None, now=NOW)
+    core.flush(NOW)
+    assert list(w.calls) == [a, b, c]
+    core.cancel(b, CancelCause("user"), force=False, now=NOW)
+    core.flush(NOW)
+    core.message(w.wid, result_of(a), NOW)
+    core.flush(NOW)
+    assert a._result is not None
+    assert a._result.ok
+    # The worker withdrew b, took up c, invoked it and died of it: its 'withdrawn' never
+    # came. Its ledger names c.
+    probe.marks_of[w.wid] = (c.id + 1, c.id + 1)
+    core.exited(w.wid, 5, 0, NOW + 1)
+    core.gone(w.wid, NOW + 1)
+    core.flush(NOW + 1)
+    assert b._result is not None
+    assert c._result is not None
+    assert b._result.outcome is Outcome.ABORTED_BEFORE_DISPATCH, b._result
+    assert b._result.body_started is False
+    assert b._result.timeline.cancel_delivered is None  # (never acknowledged: not said)
+    assert c._result.outcome is Outcome.WORKER_LOST, c._result
+    assert c._result.body_started is True
+
+
+@pytest.mark.timeout(30)
+def test_a_recalled_call_withdrawn_before_a_crash_runs_elsewhere_and_not_a_third_time() -> None:
+    core, (w1, w2), probe = core_with_workers(2, ready=False)
+    w1.provider.ready.append(w1)
+    a, b, c = (CallRecord(i, "noop", b"\x80", None, NOW) for i in (1, 2, 3))
+    for call in (a, b, c):
+        core.submit(call, timeout=None, now=NOW)
+    core.flush(NOW)
+    w2.provider.ready.append(w2)
+    e = CallRecord(5, "noop", b"\x80", None, NOW)
+    core.submit(e, timeout=None, now=NOW)
+    core.flush(NOW)
+    assert list(w1.calls) == [a, b, c]
+    assert list(w2.calls) == [e]
+    assert core.dispatch.recall(w1, b)
+    core.flush(NOW)
+    core.message(w1.wid, result_of(a), NOW)
+    core.flush(NOW)
+    probe.marks_of[w1.wid] = (c.id + 1, c.id + 1)
+    core.exited(w1.wid, 5, 0, NOW + 1)
+    core.gone(w1.wid, NOW + 1)
+    out = core.flush(NOW + 1)
+    assert c._result is not None
+    assert c._result.outcome is Outcome.WORKER_LOST
+    assert b._result is None  # not settled: it runs elsewhere
+    assert list(w1.provider.queue) == [b]  # at the front of the queue, w2 being busy
+    # On w2 the same again: asked back, a call behind it named by a ledger with no word
+    # of it. Put back once on a worker's word already, it is not run a third time.
+    d = CallRecord(4, "noop", b"\x80", None, NOW + 1)
+    core.submit(d, timeout=None, now=NOW + 1)
+    core.message(w2.wid, result_of(e), NOW + 1)
+    out = core.flush(NOW + 1)
+    assert calls_sent(sent(out, w2.wid)) == [b.id, d.id]
+    assert list(w2.calls) == [b, d]
+    assert core.dispatch.recall(w2, b)
+    core.flush(NOW + 1)
+    probe.marks_of[w2.wid] = (d.id + 1, d.id + 1)
+    core.exited(w2.wid, 5, 0, NOW + 2)
+    core.gone(w2.wid, NOW + 2)
+    core.flush(NOW + 2)
+    assert d._result is not None
+    assert d._result.outcome is Outcome.WORKER_LOST
+    assert b._result is not None
+    assert b._result.outcome is Outcome.WORKER_LOST
+    assert b._result.body_started is None
