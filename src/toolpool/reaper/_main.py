@@ -59,32 +59,22 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 
 def _load(name: str, package: str = "sandbox") -> Any:
-    """Load toolpool/<package>/<name>.py by path (importing toolpool itself would be heavy)."""
-    path = os.path.join(_PACKAGE, package, f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_toolpool{name}", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """toolpool/<package>/<name>.py, as a module of a stand-in package ``_toolpool_<package>``
+    whose ``__init__`` is never run (toolpool's own imports are heavy: toolpool.protocol's
+    imports msgpack), so that its relative imports of its siblings work."""
+    parent = f"_toolpool_{package}"
+    if parent not in sys.modules:
+        spec = importlib.util.spec_from_loader(parent, None, is_package=True)
+        assert spec is not None
+        stand_in = importlib.util.module_from_spec(spec)
+        stand_in.__path__ = [os.path.join(_PACKAGE, package)]
+        sys.modules[parent] = stand_in
+    return importlib.import_module(f"{parent}.{name}")
 
 
-def _load_protocol() -> Any:
-    """toolpool/protocol/_reaper.py, and the ``_checks.py`` it imports, as modules of a
-    stand-in package (whose ``__init__`` is never run: toolpool.protocol's imports msgpack)."""
-    name = "_toolpool_protocol"
-    spec = importlib.util.spec_from_loader(name, None, is_package=True)
-    assert spec is not None
-    package = importlib.util.module_from_spec(spec)
-    package.__path__ = [os.path.join(_PACKAGE, "protocol")]
-    sys.modules[name] = package
-    return importlib.import_module(f"{name}._reaper")
-
-
-proto = _load_protocol()
+proto = _load("_reaper", "protocol")  # (with the ``_checks.py`` it imports)
 linux = _load("_linux")
-cgroups = _load("_cgroups")  # (after _linux: it takes read_proc from it)
+cgroups = _load("_cgroups")
 remove = _load("_remove")
 trees = _load("_trees", "reaper")
 

@@ -9,15 +9,11 @@ from __future__ import annotations
 import errno
 import os
 import select
-import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-if __package__:
-    from ._linux import read_proc
-else:  # loaded by path (the reaper's ``_load``): its sibling, loaded by path before it
-    read_proc = sys.modules["_toolpool_linux"].read_proc
+from ._linux import read_proc
 
 __all__ = (
     "CgroupSet",
