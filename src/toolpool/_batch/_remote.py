@@ -32,8 +32,7 @@ import anyio
 import anyio.abc
 
 from ..core import Outcome, ToolpoolError
-from ..remote import Client, RemoteCall, ServerUnavailable, connect
-from ..remote._client import SERVER_LOST
+from ..remote import SERVER_LOST, Client, RemoteCall, ServerUnavailable, connect
 from ..supervisor import Result, Statistics, Timeline
 
 __all__ = ("LOST_AVOID_FOR", "UNAVAILABLE_FOR", "RemoteBatchCall", "RemoteGroup", "RemotePool")

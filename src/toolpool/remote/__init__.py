@@ -5,6 +5,7 @@ See ``docs/service.md``, "Remote callers".
 
 from ._client import (
     PROTOCOL_VERSION,
+    SERVER_LOST,
     Client,
     RemoteCall,
     RemoteError,
@@ -14,6 +15,7 @@ from ._client import (
 
 __all__ = (
     "PROTOCOL_VERSION",
+    "SERVER_LOST",
     "Client",
     "RemoteCall",
     "RemoteError",
