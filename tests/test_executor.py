@@ -624,7 +624,11 @@ def test_max_calls_per_worker_recycles_a_worker(caplog: pytest.LogCaptureFixture
         assert ex.submit(os.getpid).result(timeout=30) == first
         new = ex.submit(os.getpid).result(timeout=30)  # a new worker, the first one gone
         assert new != first
-        assert ex._sync._pool.worker_pids == [new]
+        # The first one retired; its process may still be exiting (listed until its tree is
+        # reported gone: the new one can serve a call before that): no third worker.
+        pids = ex._sync._pool.worker_pids
+        assert new in pids
+        assert set(pids) <= {first, new}
         stats = ex._sync.statistics()
     with pytest.raises(ProcessLookupError):
         os.kill(first, 0)
