@@ -504,7 +504,7 @@ def test_ctrl_c_or_sigterm_cancels_every_call_records_what_settled_and_a_resume_
     recs = by_id(records(out))
     # The two running calls stopped cooperatively (their body had started): recorded. The
     # four queued never started: left for the next run.
-    assert len(recs) == 2
+    assert len(recs) == 2, json.dumps([recs, stderr])
     assert {r["outcome"] for r in recs.values()} == {"aborted"}
     assert all(r["body_started"] is True for r in recs.values())
     summary = json.loads(stdout)
