@@ -18,7 +18,8 @@ import psutil
 import pytest
 
 import toolpool as toolpool_package
-from toolpool._cli import _parser, _profile, _table
+from toolpool._cli import _parser, _profile
+from toolpool._cli_report import table as _table
 
 EXAMPLES = "toolpool.testing.examples:registry"
 IS_ROOT = os.geteuid() == 0

@@ -11,13 +11,19 @@ import logging
 import os
 import shutil
 import sys
-import textwrap
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import anyio
 
-from .core import DEFAULT_GRACES, Graces, ToolpoolError, WorkerStartError
+from ._cli_options import (
+    add_grace_options,
+    add_log_level,
+    add_profile_options,
+    add_run_output,
+)
+from ._cli_service import add_service_commands, control_command, host_port, read_token, serve
+from .core import Graces, ToolpoolError, WorkerStartError
 from .supervisor._interrupts import EXIT_INTERRUPTED, Interrupts, say
 
 #: The reader of stdout went away: 128 + SIGPIPE, as a shell reports a tool that SIGPIPE ended.
@@ -25,61 +31,6 @@ EXIT_BROKEN_PIPE = 141
 
 if TYPE_CHECKING:
     from .supervisor import Call, Result
-
-
-def _add_grace_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--cancel-grace",
-        type=float,
-        default=DEFAULT_GRACES.cancel,
-        help="seconds a cancelled call has to stop before SIGTERM "
-        f"(default: {DEFAULT_GRACES.cancel:g})",
-    )
-    parser.add_argument(
-        "--term-grace",
-        type=float,
-        default=DEFAULT_GRACES.term,
-        help=f"seconds after SIGTERM before SIGKILL (default: {DEFAULT_GRACES.term:g})",
-    )
-
-
-def _add_profile_options(cmd: argparse.ArgumentParser, default: str) -> None:
-    cmd.add_argument(
-        "--profile",
-        default=default,
-        choices=["default", "untrusted"],
-        help=f"base containment profile (default: {default})",
-    )
-    cmd.add_argument("--memory", help="memory cap per worker tree, e.g. 512MiB")
-    cmd.add_argument("--max-processes", type=int, help="processes+threads per worker tree")
-    cmd.add_argument("--cpu-time", help="CPU time per process, e.g. 30s")
-    cmd.add_argument("--max-open-files", type=int, help="open files per process")
-    cmd.add_argument("--max-file-size", help="largest file a tool may write, e.g. 64MiB")
-    cmd.add_argument("--no-network", action="store_true", help="an empty network namespace")
-    cmd.add_argument(
-        "--private-ipc", action="store_true", help="an IPC namespace of its own per worker"
-    )
-    cmd.add_argument(
-        "--user",
-        help="run workers as: 'per-worker' (a uid each), a user name or uid, or 'same' "
-        "(the supervisor's); needs root",
-    )
-    cmd.add_argument(
-        "--no-cgroups", action="store_true", help="force the fallbacks: leave cgroups off"
-    )
-
-
-_LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-def _add_log_level(cmd: argparse.ArgumentParser, default: str | None) -> None:
-    cmd.add_argument(
-        "--log-level",
-        choices=_LOG_LEVELS,
-        # (A subcommand's default must not override the level given before the subcommand.)
-        default=argparse.SUPPRESS if default is None else default,
-        help="what the pool logs to stderr, as 'toolpool: LEVEL: message' (default: warning)",
-    )
 
 
 class _LogFormatter(logging.Formatter):
@@ -114,22 +65,6 @@ def _logging_to_stderr(level: str) -> Iterator[None]:
         log.propagate = saved[1]
 
 
-def _add_run_output(
-    cmd: argparse.ArgumentParser,
-    what: str,
-    *,
-    workers: int | None = 4,
-    workers_help: str = "worker processes (default: 4)",
-) -> None:
-    """The options of a run that writes a results file: where, and what it prints."""
-    cmd.add_argument(
-        "-o", "--output", required=True, help="the results file (appended to; resumed from)"
-    )
-    cmd.add_argument("--workers", type=int, default=workers, help=workers_help)
-    cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
-    cmd.add_argument("--json", action="store_true", help=f"print the {what} as one JSON object")
-
-
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -142,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"toolpool {__version__}", help="print the version"
     )
-    _add_log_level(parser, "warning")
+    add_log_level(parser, "warning")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sub.add_parser(
@@ -161,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
         ("doctor", "show which containment layers protect workers on this machine"),
         ("selftest", "run the hostile-tool kit against this machine and profile"),
     ):
-        _add_profile_options(sub.add_parser(name, help=text), "untrusted")
+        add_profile_options(sub.add_parser(name, help=text), "untrusted")
 
     call = sub.add_parser(
         "call",
@@ -178,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     call.add_argument(
         "--timeout", type=float, default=None, help="seconds before the call is cancelled"
     )
-    _add_grace_options(call)
+    add_grace_options(call)
     call.add_argument(
         "--output",
         nargs="?",
@@ -193,14 +128,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not show the tool's progress reports on stderr (shown on a terminal only)",
     )
-    _add_profile_options(call, "default")
+    add_profile_options(call, "default")
     _add_batch(sub)
     _add_eval(sub)
     _add_mcp(sub)
-    _add_service(sub)
+    add_service_commands(sub)
     for name, cmd in sub.choices.items():  # (after the subcommand too: `batch --log-level`)
         # `mcp`, `serve`: stderr is the server's log, what happened to each call.
-        _add_log_level(cmd, "info" if name in ("mcp", "serve") else None)
+        add_log_level(cmd, "info" if name in ("mcp", "serve") else None)
     return parser
 
 
@@ -233,15 +168,8 @@ def _add_mcp(sub: Any) -> None:
         default=None,
         help="seconds a call may run, for tools whose provider sets no timeout",
     )
-    _add_grace_options(mcp)
-    _add_profile_options(mcp, "default")
-
-
-def _host_port(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"--http takes HOST:PORT (e.g. 127.0.0.1:8000), not {value!r}")
-    return host.strip("[]"), int(port)
+    add_grace_options(mcp)
+    add_profile_options(mcp, "default")
 
 
 def _mcp(ns: argparse.Namespace) -> int:
@@ -262,106 +190,12 @@ def _mcp(ns: argparse.Namespace) -> int:
                 timeout=ns.timeout,
                 cancel_grace=ns.cancel_grace,
                 term_grace=ns.term_grace,
-                http=_host_port(ns.http) if ns.http is not None else None,
+                http=host_port(ns.http) if ns.http is not None else None,
                 token_file=ns.token_file,
                 say=say,
             )
         )
     )
-
-
-def _add_service(sub: Any) -> None:
-    serve = sub.add_parser(
-        "serve",
-        help="run a pool as a service: MCP over HTTP, probes, metrics, a control socket",
-        description="Serve the tools of TOOLS (each [NAME=]module:attribute, one provider "
-        "each) or of --config over MCP streamable HTTP at /mcp, with /healthz, /readyz and "
-        "/metrics on the same listener, and a control socket for toolpool status, scale, "
-        "drain and reload. SIGTERM drains (a second SIGTERM forces); SIGHUP reloads the "
-        "tools. See docs/service.md.",
-    )
-    serve.add_argument("tools", nargs="*", metavar="TOOLS", help="[NAME=]module:attribute")
-    serve.add_argument(
-        "--config", help="a TOML file of providers ([providers.NAME] tools=, profile=, ...)"
-    )
-    serve.add_argument(
-        "--http",
-        default="127.0.0.1:8080",
-        metavar="HOST:PORT",
-        help="where to listen (default: 127.0.0.1:8080; a non-loopback host needs --token-file)",
-    )
-    size = serve.add_mutually_exclusive_group()
-    size.add_argument("--workers", type=int, default=4, help="workers per provider (default: 4)")
-    size.add_argument(
-        "--autoscale", metavar="MIN:MAX", help="let the pool size each provider in MIN..MAX"
-    )
-    serve.add_argument(
-        "--profile",
-        default="default",
-        choices=["default", "untrusted"],
-        help="containment profile of the TOOLS providers (default: default)",
-    )
-    serve.add_argument("--token-file", help="a file holding the bearer token callers must send")
-    serve.add_argument(
-        "--allowed-host",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="a Host name callers use (any port), besides loopback and the listening "
-        "address: /mcp refuses others (DNS-rebinding protection); repeat for several",
-    )
-    serve.add_argument("--control", help="the control socket's path (default: see docs)")
-    serve.add_argument(
-        "--timeout", type=float, default=None, help="default seconds per call, for every tool"
-    )
-    serve.add_argument(
-        "--drain-grace",
-        type=float,
-        default=DEFAULT_GRACES.drain,
-        help="seconds running calls get when draining, before they are cancelled "
-        f"(default: {DEFAULT_GRACES.drain:g})",
-    )
-    _add_grace_options(serve)
-    serve.add_argument(
-        "--log-format", choices=["text", "json"], default="text", help="stderr log lines"
-    )
-    serve.add_argument(
-        "--init",
-        choices=["auto", "never"],
-        default="auto",
-        help="auto (default): as PID 1 (a container), fork and stay behind as its init "
-        "(signals forwarded, orphans reaped)",
-    )
-
-    def control_cmd(name: str, text: str) -> argparse.ArgumentParser:
-        cmd: argparse.ArgumentParser = sub.add_parser(name, help=text, description=text)
-        cmd.add_argument("--control", help="the service's control socket (default: see docs)")
-        return cmd
-
-    status = control_cmd("status", "show a running service's state, providers and workers")
-    status.add_argument("--json", action="store_true", help="as one JSON object")
-    scale = control_cmd("scale", "resize a running service's provider (ends its autoscaling)")
-    scale.add_argument("workers", type=int, help="workers")
-    scale.add_argument("--provider", help="which provider (needed when there are several)")
-    drain = control_cmd(
-        "drain",
-        "drain a running service: not ready at once, new calls refused, running calls "
-        "finish or are cancelled after the grace; the service then exits",
-    )
-    drain.add_argument(
-        "--wait", action="store_true", help="return once every call settled and it stopped"
-    )
-    drain.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help="seconds running calls get before they are cancelled (default: the service's "
-        "--drain-grace)",
-    )
-    reload = control_cmd(
-        "reload", "reload a running service's tools (rolling: no call lost, none run twice)"
-    )
-    reload.add_argument("--provider", help="only this provider (default: every one)")
 
 
 def _add_eval(sub: Any) -> None:
@@ -381,7 +215,7 @@ def _add_eval(sub: Any) -> None:
     )
     cmd.add_argument("problems", help="the problems file (.jsonl or .jsonl.gz)")
     cmd.add_argument("samples", help="the samples file (.jsonl or .jsonl.gz)")
-    _add_run_output(cmd, "report")
+    add_run_output(cmd, "report")
     cmd.add_argument(
         "--time-limit",
         type=float,
@@ -398,8 +232,8 @@ def _add_eval(sub: Any) -> None:
         action="store_true",
         help="run completions even where their jail is incomplete (no Landlock, say)",
     )
-    _add_grace_options(cmd)
-    _add_profile_options(cmd, "untrusted")
+    add_grace_options(cmd)
+    add_profile_options(cmd, "untrusted")
 
 
 def _add_batch(sub: Any) -> None:
@@ -434,7 +268,7 @@ def _add_batch(sub: Any) -> None:
         "instead of running a pool here; repeat for several (then give no TOOLS)",
     )
     batch.add_argument("--token-file", help="a file holding the bearer token for --server")
-    _add_run_output(
+    add_run_output(
         batch,
         "summary",
         workers=None,
@@ -467,8 +301,8 @@ def _add_batch(sub: Any) -> None:
         help="on resume, run again the calls recorded with these outcomes (e.g. "
         "aborted,killed,worker_lost); refused without --idempotent where a body started",
     )
-    _add_grace_options(batch)
-    _add_profile_options(batch, "default")
+    add_grace_options(batch)
+    add_profile_options(batch, "default")
 
 
 def _jsonable(value: Any) -> Any:
@@ -568,7 +402,7 @@ def _batch(ns: argparse.Namespace) -> int:
         raise ValueError("give TOOLS and INPUT (or --server URL and INPUT)")
     if ns.workers is None:
         ns.workers = 64 if ns.server else 4
-    token = _read_token(ns.token_file)
+    token = read_token(ns.token_file)
     if ns.retries < 0:
         raise ValueError(f"--retries must be 0 or more, got {ns.retries}")
     if ns.workers < 1:
@@ -631,135 +465,6 @@ async def _run_batch(options: Any, no_progress: bool, as_json: bool) -> int:
     if summary.interrupted:
         say("stopped: every call settled and every process of the pool is gone")
     return summary.exit_status
-
-
-def _serve(ns: argparse.Namespace) -> int:
-    from .serve import (
-        Service,
-        ServiceOptions,
-        configure_logging,
-        load_config,
-        parse_autoscale,
-        parse_tools,
-    )
-
-    if ns.config and ns.tools:
-        raise ValueError("give TOOLS or --config, not both")
-    if ns.config:
-        providers = load_config(ns.config)
-    elif ns.tools:
-        providers = parse_tools(
-            ns.tools,
-            profile=ns.profile,
-            workers=ns.workers,
-            autoscale=None if ns.autoscale is None else parse_autoscale(ns.autoscale),
-            timeout=ns.timeout,
-        )
-    else:
-        raise ValueError("nothing to serve: give TOOLS (module:attribute) or --config FILE")
-    host, port = _host_port(ns.http)
-    token = _read_token(ns.token_file)
-    options = ServiceOptions(
-        providers=providers,
-        host=host,
-        port=port,
-        token=token,
-        control=ns.control,
-        cancel_grace=ns.cancel_grace,
-        term_grace=ns.term_grace,
-        drain_grace=ns.drain_grace,
-        timeout=ns.timeout,
-        allowed_hosts=tuple(ns.allowed_host),
-    )
-    if ns.init == "auto" and os.getpid() == 1:
-        from .serve._init import become_init
-
-        status = become_init()
-        if status is not None:
-            return status
-    # The service's own lines (text or JSON) replace the command's handler while it runs.
-    log = logging.getLogger("toolpool")
-    ours = _log_handler
-    if ours is not None:
-        log.removeHandler(ours)
-    handler = configure_logging(ns.log_format, level=logging.getLevelName(ns.log_level.upper()))
-    try:
-        return anyio.run(Service(options).run)
-    finally:
-        log.removeHandler(handler)
-        if ours is not None:
-            log.addHandler(ours)
-
-
-def _control(ns: argparse.Namespace) -> int:
-    from .serve import control, default_control_path
-
-    path = ns.control or default_control_path()
-    if ns.command == "status":
-        answer = control(path, {"op": "status"}, timeout=30)
-        answer.pop("ok", None)
-        if ns.json:
-            print(json.dumps(answer, indent=2))
-        else:
-            print(_status_text(answer))
-        return 0
-    if ns.command == "scale":
-        answer = control(
-            path, {"op": "scale", "workers": ns.workers, "provider": ns.provider}, timeout=None
-        )
-        print(f"{answer['provider']}: {answer['old']} -> {answer['workers']} workers")
-        return 0
-    if ns.command == "reload":
-        answer = control(path, {"op": "reload", "provider": ns.provider}, timeout=None)
-        for name, generation in answer["reloaded"].items():
-            print(f"{name}: reloaded (generation {generation})")
-        return 0
-    if ns.timeout is not None and ns.timeout < 0:
-        raise ValueError("--timeout must be 0 or more seconds")
-    answer = control(path, {"op": "drain", "wait": ns.wait, "timeout": ns.timeout}, timeout=None)
-    print("stopped" if ns.wait else f"draining ({answer['state']})")
-    return 0
-
-
-def _status_text(s: Mapping[str, Any]) -> str:
-    lines = [
-        f"state: {s['state']}  ready: {'yes' if s['ready'] else 'no'}  pid: {s['pid']}  "
-        f"up {s['uptime_s']:.0f}s",
-        f"listen: {s['listen']}  control: {s['control']}",
-    ]
-    if "in_flight" in s:
-        lines.append(
-            f"calls: {s['in_flight']} running, {s['queued']} queued, {s['submitted']} submitted"
-        )
-    rows = [("provider", "profile", "size", "workers", "running", "queued", "tools")]
-    for name, p in s["providers"].items():
-        workers = ", ".join(f"{n} {k}" for k, n in sorted(p["workers"].items()) if n)
-        size = str(p["size"])
-        if p["autoscale"]:
-            size += " ({}..{})".format(*p["autoscale"])
-        rows.append(
-            (
-                name,
-                p["profile"],
-                size,
-                workers or "-",
-                str(p["in_flight"]),
-                str(p["queued"]),
-                ", ".join(p["tools"]),
-            )
-        )
-    if len(rows) > 1:
-        lines += ["", _table(rows, wrap={6: _OBSERVED_WIDTH})]
-    return "\n".join(lines)
-
-
-def _read_token(path: str | None) -> str | None:
-    """The bearer token in ``path`` (as the MCP face reads it: at least 16 characters)."""
-    if path is None:
-        return None
-    from .mcp._http import read_token
-
-    return read_token(path)
 
 
 def _ks(text: str) -> tuple[int, ...]:
@@ -828,107 +533,6 @@ def _profile(ns: argparse.Namespace) -> Any:
     if ns.no_cgroups:
         changes["disable"] = frozenset({"cgroups"})
     return profile.with_limits(**changes) if changes else profile
-
-
-async def _doctor(ns: argparse.Namespace) -> int:
-    from .supervisor import Pool
-
-    async with Pool("toolpool.testing.examples:registry", workers=1, profile=_profile(ns)) as pool:
-        await pool.call("noop")
-        print(pool.containment().format())
-    return 0
-
-
-class _Collect(logging.Handler):
-    """Keeps what the pool logs while the kit runs, to print after the table."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(f"{record.levelname.lower()}: {record.getMessage()}")
-
-
-#: The widest the expected and observed columns get in the selftest table; longer text
-#: wraps at a word.
-_EXPECTED_WIDTH = 36
-_OBSERVED_WIDTH = 48
-
-
-async def _selftest(ns: argparse.Namespace) -> int:
-    from .supervisor import Pool
-    from .testing.hostile import run_kit
-
-    # The kit provokes the pool on purpose (strangers on sockets, garbage frames): what the
-    # pool logs about it is shown after the table, not in the middle of it.
-    log = logging.getLogger("toolpool")
-    collect = _Collect()
-    log.addHandler(collect)
-    ours = _log_handler
-    if ours is not None:
-        log.removeHandler(ours)
-    try:
-        async with Pool(
-            "toolpool.testing.hostile:registry",
-            workers=2,
-            cancel_grace=0.3,
-            term_grace=0.3,
-            profile=_profile(ns),
-        ) as pool:
-            print(pool.containment().format(), end="\n\n")
-            verdicts = await run_kit(pool)
-    finally:
-        log.removeHandler(collect)
-        if ours is not None:
-            log.addHandler(ours)
-    rows = [("threat", "expected under this profile", "observed", "result", "held by")]
-    rows += [(v.threat, v.expected, v.observed, v.status, v.caught_by) for v in verdicts]
-    print(_table(rows, wrap={1: _EXPECTED_WIDTH, 2: _OBSERVED_WIDTH}))
-    if collect.lines:
-        print("\nwhat the pool logged meanwhile (the kit provokes it):")
-        for line in collect.lines:
-            print(f"  {line}")
-    print(f"\n{_kit_summary(verdicts)}")
-    return 1 if any(v.status == "FAILED" for v in verdicts) else 0
-
-
-def _kit_summary(verdicts: Sequence[Any]) -> str:
-    """The statuses counted apart, each said plainly (a 'not held' is no pass)."""
-    count = {s: sum(v.status == s for v in verdicts) for s in ("held", "not held", "not run")}
-    failed = [v.threat for v in verdicts if v.status == "FAILED"]
-    parts = [
-        f"{count['held']} held",
-        f"{count['not held']} not held (expected under this profile: see 'expected')",
-        f"{count['not run']} not run",
-        f"{len(failed)} FAILED" + (f" ({', '.join(failed)})" if failed else ""),
-    ]
-    return ", ".join(parts)
-
-
-def _wrap(text: str, width: int) -> list[str]:
-    """Lines of at most ``width`` at word boundaries; a word longer than that (a path, a
-    repr) stands whole on a line of its own, never cut."""
-    return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
-
-
-def _table(rows: Sequence[Sequence[str]], *, wrap: Mapping[int, int]) -> str:
-    """Columns padded to their widest cell; a column in ``wrap`` wraps at that width onto
-    continuation lines instead (nothing is cut off). The first row is the header."""
-    grid = [
-        [(_wrap(c, wrap[i]) or [""]) if i in wrap else [c] for i, c in enumerate(row)]
-        for row in rows
-    ]
-    width = len(rows[0])
-    widths = [max(len(line) for row in grid for line in row[i]) for i in range(width)]
-    out: list[str] = []
-    for n, row in enumerate(grid):
-        for k in range(max(len(c) for c in row)):
-            parts = [c[k] if k < len(c) else "" for c in row]
-            out.append("  ".join(p.ljust(w) for p, w in zip(parts, widths, strict=True)).rstrip())
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
 
 
 def _tools(ns: argparse.Namespace) -> int:
@@ -1041,17 +645,21 @@ def _run(ns: argparse.Namespace) -> int:
     if ns.command == "call":
         return anyio.run(_call, ns)
     if ns.command == "doctor":
-        return anyio.run(_doctor, ns)
+        from ._cli_report import doctor
+
+        return anyio.run(doctor, _profile(ns))
     if ns.command == "selftest":
-        return anyio.run(_selftest, ns)
+        from ._cli_report import selftest
+
+        return anyio.run(selftest, _profile(ns), _log_handler)
     if ns.command == "batch":
         return _batch(ns)
     if ns.command == "mcp":
         return _mcp(ns)
     if ns.command == "serve":
-        return _serve(ns)
+        return serve(ns, _log_handler)
     if ns.command in ("status", "scale", "drain", "reload"):
-        return _control(ns)
+        return control_command(ns)
     if ns.command == "eval":
         return anyio.run(_eval, ns)
     raise AssertionError(f"unhandled command {ns.command!r}")  # pragma: no cover
