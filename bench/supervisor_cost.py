@@ -56,10 +56,11 @@ except ImportError:
 
 
 class InstantWorker(FakeWorkerSocket):
-    """Answers every call at once with an ok result it says it kept: byte for byte the frame a
-    real worker sends, made of the call frame's id bytes between two constant pieces (no
-    unpack, no pack, nothing built per call ahead of the run, which callgrind would count), so
-    that what is measured is the supervisor, not this fake."""
+    """Answers every call at once with an ok result it says it kept, with the fields a real
+    worker's no-op result has (an empty context; its CPU time, peak RSS and body's start in
+    the extras), made of the call frame's id bytes between two constant pieces (no unpack, no
+    pack, nothing built per call ahead of the run, which callgrind would count), so that what
+    is measured is the supervisor, not this fake."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -70,10 +71,11 @@ class InstantWorker(FakeWorkerSocket):
         self.answer(_HEAD + frame[6 : 6 + _ID_LEN.get(frame[6], 1)] + _TAIL)
 
 
-_KEPT = {"kept": True}
+#: What a worker says of a no-op call besides its result (``worker/_server.py``, ``_extras``).
+_EXTRAS = {"cpu_time": 2.1e-05, "max_rss": 21_000_000, "started_at": 1.0, "kept": True}
 _HEAD, _TAIL = (
     msgpack.packb(["result"] * 10)[:8],
-    msgpack.packb(["ok", b"\xc0", None, None, True, _KEPT, 0, _KEPT])[1:],
+    msgpack.packb(["ok", b"\xc0", None, None, True, {}, 0, _EXTRAS])[1:],
 )
 #: The bytes of an id by its first: a positive fixint (1), uint8 (2), uint16 (3), uint32 (5).
 _ID_LEN = {0xCC: 2, 0xCD: 3, 0xCE: 5}
