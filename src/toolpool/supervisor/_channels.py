@@ -263,8 +263,8 @@ class Channels:
         wid = io.wid
         max_frame = self.max_frame
         got = False
-        # (readable(sock), inline: twice per call)
-        while not sock.closed and sock.get(_EVENTS) & _POLLIN:
+        # (readable(sock), inline: twice per call; EVENTS is an int option)
+        while not sock.closed and sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]
             got = True
             w = core.workers.get(wid)
             sender: int | None = None
