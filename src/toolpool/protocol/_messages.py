@@ -24,12 +24,14 @@ from ._checks import binary as _bin
 from ._checks import int_id as _int_id
 from ._checks import text as _text
 from ._values import (
+    _UNPACKERS,
     DEFAULT_MAX_FRAME,
     MAX_PARTS,
     PART_EXT,
     PART_MIN,
-    _unpack,
+    _undecodable,
     _unpack_small,
+    _unpacker,
     check_spill,
     pack_parts,
     pack_value,
@@ -471,11 +473,20 @@ _call_message: Final[Callable[..., CallMessage]] = _slot_maker(CallMessage)
 
 def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> WorkerMessage:
     """Decode and validate one frame a worker sent. Raises :class:`ProtocolViolation`."""
-    data = _unpack(frame, max_len)
+    # (_unpack, inline: once per frame of the supervisor's hot path)
+    if len(frame) > max_len:
+        raise ProtocolViolation(f"frame of {len(frame)} bytes exceeds the limit of {max_len}")
+    unpack = _UNPACKERS.get(max_len) or _unpacker(max_len)
+    try:
+        data = unpack(frame)
+    except ProtocolViolation:
+        raise
+    except Exception as exc:  # msgpack raises many types: ExtraData, StackError, ValueError...
+        raise _undecodable(exc) from None
     # A result, the most frequent frame, checked inline: what the general path below checks,
     # in the same order (anything unusual goes that way, to fail there with its reason).
     if type(data) is list and len(data) == 10 and data[0] == "result":
-        call_id, outcome, value, error, error_name, started, context, leftovers, extras = data[1:]
+        _, call_id, outcome, value, error, error_name, started, context, leftovers, extras = data
         if (
             type(extras) is dict
             and type(outcome) is str

@@ -85,6 +85,9 @@ if TYPE_CHECKING:
     from ._calls import Call
 
 _log = logging.getLogger("toolpool.supervisor")
+_EVENTS: Final = int(zmq.EVENTS)
+_NOBLOCK: Final = int(zmq.NOBLOCK)  # (a plain int: an enum member is a slow read, twice a call)
+_POLLIN: Final = int(zmq.POLLIN)
 #: What the listeners hear of (``_hosting.py``). An unkillable worker is out of service: the
 #: pool reaps it in the background (``docs/pool.md``, "Unkillable workers").
 #: In a burst of submits (no loop turn between them), a pump every this many: one dispatch
@@ -260,7 +263,8 @@ class Channels:
         wid = io.wid
         max_frame = self.max_frame
         got = False
-        while not sock.closed and readable(sock):
+        # (readable(sock), inline: twice per call; EVENTS is an int option)
+        while not sock.closed and sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]
             got = True
             w = core.workers.get(wid)
             sender: int | None = None
@@ -273,7 +277,7 @@ class Channels:
                 # All parts of one message (results held back come as one): one check of
                 # the socket's events per message, not per frame (each costs zmq a look at
                 # its command mailbox, a good part of a quick call's cost).
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(_NOBLOCK)
             now = time.monotonic()
             for frame in frames:
                 try:
@@ -522,9 +526,9 @@ class Channels:
                         raise zmq.ZMQError(zmq.ENOTSOCK)
                     if len(send.frames) == 1:
                         frame = send.frames[0]
-                        io.sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+                        io.sock.send(frame, _NOBLOCK, copy=len(frame) < 65536)
                     else:
-                        io.sock.send_multipart(send.frames, zmq.NOBLOCK, copy=False)
+                        io.sock.send_multipart(send.frames, _NOBLOCK, copy=False)
                 except zmq.ZMQError:
                     if send.calls:
                         core.send_failed(send.wid, send.calls, time.monotonic())

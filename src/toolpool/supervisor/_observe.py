@@ -38,9 +38,7 @@ def snapshot(core: Machine, probe: Probe, now: float, provider: str | None = Non
     for w in workers:
         states[w.state.value] = states.get(w.state.value, 0) + 1
     running = sum(1 for w in workers if w.calls)
-    by_tool: dict[str, dict[str, int]] = {}
-    for (tool, outcome), n in tally.by_tool.items():
-        by_tool.setdefault(tool, {})[outcome] = n
+    by_tool = {tool: dict(counts) for tool, counts in tally.by_tool.items()}
     oldest = min((c._times["submitted"] for c in calls if c._queued), default=None)
     unkillable: set[int] = set()
     for w in workers:

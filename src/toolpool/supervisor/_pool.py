@@ -41,7 +41,7 @@ from ..protocol import (
 from ..reaper import CloseReport, ReaperClient, finish_cleanup
 from ..sandbox import Profile
 from ._calls import Call, Group, await_call
-from ._channels import Channels
+from ._channels import OWED_SUBMITS, Channels
 from ._containment import containment_report
 from ._events import Listeners, ProviderRemoved, ToolsChanged, frozen_catalog
 from ._hosting import (
@@ -671,10 +671,12 @@ class Pool(Channels, Hosting):
         record._index = index
         call = self._faces[record.id] = Call(self._port, record)
         core.submit(record, timeout=timeout, now=now)
-        if record._facts is None:
-            self._owe_pump()  # (one pump, soon, for a burst of submits)
-        else:
+        if record._facts is not None:
             self._pump()  # settled at once (its group was cancelled): done on return
+        elif self._pump_owed and self._owed_submits < OWED_SUBMITS - 1:
+            self._owed_submits += 1  # (_owe_pump, inline: one more submit of a burst)
+        else:
+            self._owe_pump()  # (one pump, soon, for a burst of submits)
         return call
 
     def _cancel(self, call: Call, cause: CancelCause, *, force: bool) -> None:

@@ -68,6 +68,7 @@ class Dispatch:
         s = self.s
         now = s.now
         spares = p.spec.warm_spares
+        prefetch = p.spec.prefetch
         while queue:
             call = queue[0]
             if call._state is not _QUEUED:  # settled while queued
@@ -81,6 +82,8 @@ class Dispatch:
             # (_pick's first choice, inline: the last idle worker, where spares are no bar)
             w = ready[-1] if ready and not spares else None
             if w is None or w.state is not _READY or w.gone or w.calls:
+                if not ready and not prefetch:
+                    break  # (what _pick finds: no idle worker, and none may queue one)
                 w = self._pick(p, now)
                 if w is None:
                     break
@@ -121,7 +124,7 @@ class Dispatch:
                     frames.append(encode_call(call.id, call.tool, call._args, acked))
                 call._times["dispatched"] = now
             out.append(_new_send(Send, (w.wid, frames, tuple(calls))))
-        if p.spec.prefetch:
+        if prefetch:
             self._steal(p, now)
 
     def _pick(self, p: ProviderRecord, now: float) -> WorkerRecord | None:

@@ -256,7 +256,7 @@ class Lifecycle:
     def on_result(self, w: WorkerRecord, msg: ResultMessage) -> None:
         """w's result (``Machine.message`` comes here at once for one: the hot path)."""
         facts = self.settlement.received_facts(w, msg)
-        if not msg.extras.get("kept", False) and len(w.calls) > 1:
+        if len(w.calls) > 1 and not msg.extras.get("kept", False):
             # Not in its ledger: it takes up nothing more until it knows this arrived.
             self.dispatch.send(w, encode(Ack(w.results)))
         background = w.provider.spec.allow_background

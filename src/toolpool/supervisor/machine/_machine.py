@@ -162,7 +162,13 @@ class Machine:
         if timeout is not None:
             call._deadline = now + timeout
             s.arm(call._deadline, "deadline", call.id)
-        self.dispatch.enqueue(call)
+        if owner is None or owner.broken is not None:
+            self.dispatch.enqueue(call)  # (it settles: no provider has its tool, or it broke)
+        else:  # (enqueue, inline: its provider is the owner looked up above, in this event)
+            owner.queue.append(call)
+            call._queued = True
+            call._provider = owner
+            s.dispatch_due = True
         # Its dispatch pass is owed: one for a burst of submits, run by the next flush, or
         # first thing in any other event (``_pay_owed``), so that every other event finds
         # the machine as if each submit had been flushed at once.

@@ -89,6 +89,9 @@ CALL_MOVES: Final[dict[CallState, frozenset[CallState]]] = {
     CallState.SETTLED: frozenset(),
 }
 _CALL_NEXT: Final = _by_name(CALL_MOVES)
+# (bound once, for a new call's fields: a member read through its class is slow)
+_NEW_STATE: Final = CallState.QUEUED
+_NO_RUNG: Final = Rung.NONE
 
 
 class CallRecord:
@@ -131,10 +134,10 @@ class CallRecord:
         self._parts: tuple[bytes, ...] = ()  # their parts (large byte strings), sent after it
         self._group = group
         self._index: int | None = None  # its position in a map's input (Result.index)
-        self._state = CallState.QUEUED
+        self._state = _NEW_STATE
         self._worker: WorkerRecord | None = None
         self._cause: CancelCause | None = None
-        self._rung = Rung.NONE
+        self._rung = _NO_RUNG
         self._started = False
         # What it settled with (``Settlement.settle``): a tuple, made into its Result (and
         # Timeline) when someone first reads ``_result``; None until it settled.
@@ -156,8 +159,10 @@ class CallRecord:
         """Its :class:`Result` once settled (built on the first read), else None. Whether it
         settled, without building it: ``_facts is not None``."""
         res = self._res
-        if res is None and self._facts is not None:
-            res = self._res = _build_result(self)
+        if res is None:
+            facts = self._facts
+            if facts is not None:  # (_build_result, inline)
+                res = self._res = _make_result(self.id, self.tool, facts)
         return res
 
     @_result.setter

@@ -160,8 +160,10 @@ class Settlement:
         call._state = _SETTLED
         owner = call._owner
         tally = owner.tally if owner is not None else s.tallies[""]
-        by_tool, key = tally.by_tool, (call.tool, kind)
-        by_tool[key] = by_tool.get(key, 0) + 1  # (and so ``settled``, by outcome)
+        counts = tally.by_tool.get(call.tool)
+        if counts is None:
+            counts = tally.by_tool[call.tool] = {}
+        counts[kind] = counts.get(kind, 0) + 1  # (and so ``settled``, by outcome)
         latency = now - times["submitted"]  # (Buckets.observe, inline: the hot path)
         buckets = tally.settle_latency
         buckets.counts[bisect_left(buckets.bounds, latency)] += 1
@@ -303,8 +305,12 @@ class Settlement:
             started_at = extras.get("started_at")
             if started_at is not None and "started" not in times:
                 # The worker's monotonic clock is this one (same host); trust it only within
-                # what this side saw.
-                times["started"] = min(max(started_at, times["dispatched"]), now)
+                # what this side saw. (min(max(...)), as comparisons: builtin min and max
+                # parse their arguments as keywords, 500 instructions a result; and a NaN
+                # lands on ``dispatched``, not in the Timeline.)
+                dispatched = times["dispatched"]
+                started_at = started_at if started_at > dispatched else dispatched
+                times["started"] = started_at if started_at < now else now
         return call, msg, value, self.s.probe.peak(w.wid)
 
     # ------------------------------------------------------------------ post-mortem

@@ -93,10 +93,11 @@ class Tally:
     )
 
     def __init__(self) -> None:
-        #: Settled calls by (tool, outcome); by outcome alone: ``settled``, summed when read.
-        #: A plain dict: a Counter defines ``__delitem__`` in Python, which makes each of its
-        #: item assignments a call of ``__setitem__`` through a method wrapper (the hot path).
-        self.by_tool: dict[tuple[str, str], int] = {}
+        #: Settled calls by tool, then outcome; by outcome alone: ``settled``, summed when
+        #: read. Plain dicts: a Counter defines ``__delitem__`` in Python, which makes each of
+        #: its item assignments a call of ``__setitem__`` through a method wrapper; a (tool,
+        #: outcome) key is a tuple made, hashed and compared per settle (the hot path).
+        self.by_tool: dict[str, dict[str, int]] = {}
         self.escalations: collections.Counter[str] = collections.Counter()
         self.submitted = 0
         self.started = 0
@@ -109,16 +110,18 @@ class Tally:
     def settled(self) -> collections.Counter[str]:
         """Settled calls by outcome (from ``by_tool``: one count per settle, not two)."""
         out: collections.Counter[str] = collections.Counter()
-        for (_, kind), n in self.by_tool.items():
-            out[kind] += n
+        for counts in self.by_tool.values():
+            out.update(counts)
         return out
 
     @classmethod
     def total(cls, tallies: list[Tally]) -> Tally:
         out = cls()
         for t in tallies:
-            for key, n in t.by_tool.items():
-                out.by_tool[key] = out.by_tool.get(key, 0) + n
+            for tool, counts in t.by_tool.items():
+                into = out.by_tool.setdefault(tool, {})
+                for kind, n in counts.items():
+                    into[kind] = into.get(kind, 0) + n
             out.escalations.update(t.escalations)
             out.submitted += t.submitted
             out.started += t.started
