@@ -41,6 +41,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from ..core import CancelCause, PoolClosedError, UnknownToolError, validate_cause
 from ..supervisor import Call, Pool, PoolEvent, Result, ToolsChanged
+from ..supervisor._pool import port_of
 from ._describe import call_result, describe_tool
 from ._tasks import Task, TaskStore
 
@@ -313,8 +314,13 @@ class McpServer:
             raise ValueError(
                 "a call's deadline is the pool's own: cancel with user, parent or disposed"
             )
-        for tracked in list(self._tracked.values()):
-            self._cancel(tracked, accepted, force=force)
+        if not self._tracked:
+            return 0
+        # One pump once every call is cancelled: between two cancels' pumps, a worker that
+        # one freed could take up a queued call not cancelled yet and start it.
+        with port_of(self.pool).batch():
+            for tracked in list(self._tracked.values()):
+                self._cancel(tracked, accepted, force=force)
         return len(self._tracked)
 
     async def wait_idle(self) -> None:
