@@ -181,63 +181,79 @@ class _Server:
 
     def serve(self) -> None:
         control = start_thread_blocking_signals(self._control, "toolpool control")
+        # One section under `mu` a call (a `with` costs twice an acquire and a release): what
+        # the last call concluded, the messages read, the next call taken up.
+        mu = self.mu
+        mu.acquire()
+        held = True
         try:
             while True:
-                with self.mu:
-                    self._drain()
-                    if self._failure is not None:
-                        raise self._failure
-                    machine = self.machine
-                    if machine.shutdown and machine.done:  # (one attribute while serving)
-                        break
-                    if time.monotonic() >= machine.beat_due:  # (also in quick calls)
-                        self._perform(machine.beat(time.monotonic()))
-                    job = self._next()
-                if self._fire:
-                    self._fire_cancels()
-                if job is not None:
-                    self._run(job)
-                    continue
-                # Nothing to do until a message comes. No call runs, so the control thread
-                # keeps off the socket: wait in zmq itself (no edge of its fd to miss), at
-                # most a heartbeat interval (RCVTIMEO).
+                self._drain()
+                if self._failure is not None:
+                    raise self._failure
+                machine = self.machine
+                if machine.shutdown and machine.done:  # (one attribute while serving)
+                    break
+                if time.monotonic() >= machine.beat_due:  # (also in quick calls)
+                    self._perform(machine.beat(time.monotonic()))
+                job = self._next()
+                mu.release()
+                held = False
                 try:
-                    frames = self._recv(0)
-                except self._again:
-                    # A heartbeat interval without a call: the next call's CPU is read
-                    # afresh (what the worker's threads spent idle is not its).
-                    self._usage = None
-                    continue
-                with self.mu:
+                    if self._fire:
+                        self._fire_cancels()
+                    if job is not None:
+                        reply, parts = self._run(job)
+                    else:
+                        # Nothing to do until a message comes. No call runs, so the control
+                        # thread keeps off the socket: wait in zmq itself (no edge of its fd
+                        # to miss), at most a heartbeat interval (RCVTIMEO).
+                        try:
+                            frames = self._recv(0)
+                        except self._again:
+                            # A heartbeat interval without a call: the next call's CPU is
+                            # read afresh (what the worker's threads spent idle is not its).
+                            self._usage = None
+                            frames = None
+                finally:
+                    mu.acquire()
+                    held = True
+                if job is not None:
+                    self._conclude(job.call_id, reply, parts)
+                elif frames is not None:
                     self._handle_frames(frames)
         finally:
-            with self.mu:
-                self.exiting = True
+            if not held:  # (an acquire that raised)
+                mu.acquire()
+            self.exiting = True
+            mu.release()
             self._wake()
             control.join(1.0)
             if self._loop is not None:
                 self._loop.close()
 
-    def _run(self, msg: CallMessage) -> None:
+    def _run(self, msg: CallMessage) -> tuple[ResultMessage, Sequence[bytes]]:
+        """Without the lock: run the call taken up; its result message and its value's parts."""
         call_id = msg.call_id
         before = self._begin()
         args = self._args(msg)
         body = self.registry._lean_body(msg.tool, args)
         if body is not None:
-            reply, parts = self._run_lean(call_id, msg.tool, body, args, before)
-        else:
-            result = self._run_staged(msg, args)
-            reply, parts = self._reply(call_id, result, self._extras(before))
-        with self.mu:
-            # Kept in the ledger and sent; or, while another call is queued, held back to go
-            # with the next ones in one go (one wake-up of each side's zmq thread for several),
-            # unless that call takes time (the control thread sends them then).
-            self.current = None
-            self.active_at = time.monotonic()
-            self._perform(self.machine.conclude(reply, parts))
-            # The control thread waits on the socket with no timeout once it said 'started'.
-            wake = self.watching and self.machine.said_started == call_id
-            self.watching = False
+            return self._run_lean(call_id, msg.tool, body, args, before)
+        result = self._run_staged(msg, args)
+        return self._reply(call_id, result, self._extras(before))
+
+    def _conclude(self, call_id: int, reply: ResultMessage, parts: Sequence[bytes]) -> None:
+        """With the lock: the call is over. Its result is kept in the ledger and sent; or,
+        while another call is queued, held back to go with the next ones in one go (one
+        wake-up of each side's zmq thread for several), unless that call takes time (the
+        control thread sends them then)."""
+        self.current = None
+        self.active_at = time.monotonic()
+        self._perform(self.machine.conclude(reply, parts))
+        # The control thread waits on the socket with no timeout once it said 'started'.
+        wake = self.watching and self.machine.said_started == call_id
+        self.watching = False
         if wake:
             self._wake()
 
