@@ -65,7 +65,15 @@ from ..protocol import (
     unpack_args,
     unpack_value,
 )
-from ..protocol._ledger import LEDGER_SIZE, write_invoked, write_parts, write_slot, write_taken
+from ..protocol._ledger import (
+    INVOKED_WORD,
+    LEDGER_SIZE,
+    SLOTS,
+    TAKEN_WORD,
+    slot_words,
+    words,
+    write_parts,
+)
 from ..sandbox._cgroups import others_listed
 from ..sandbox._linux import child_pids, reap_zombies
 from ._call import DecodedArgs, _lean_result, _lean_value
@@ -99,6 +107,9 @@ TICK = 0.002
 IDLE_AFTER = 0.05
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_NOBLOCK, _RCVMORE, _AGAIN = int(zmq.NOBLOCK), int(zmq.RCVMORE), zmq.Again
+#: (The server's attributes stay fewer than 30: past that an instance's dict is its own, and
+#: every attribute read on the hot path is a lookup.)
 RUSAGE_SELF, RUSAGE_CHILDREN = resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN
 
 #: This process's pid, read once and again in a child a fork makes (``os.register_at_fork``):
@@ -135,6 +146,10 @@ class _Server:
         self.specs = registry.tools
         self.max_frame = max_frame
         self.ledger = ledger
+        # Its marks and slots as words, written by a store each (``protocol._ledger.words``),
+        # and where each slot's sequence number, length and frame go.
+        self._words: Any = None if ledger is None else words(ledger)
+        self._slots = [slot_words(slot) for slot in range(SLOTS)]
         self.members = members
         self.pid = _pid[0]
         # The decisions: what each message and each call means (``_machine.py``).
@@ -166,12 +181,9 @@ class _Server:
         self._failure: BaseException | None = None
         self._wakeup = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._fd = fd_of(sock)
-        self._noblock = zmq.NOBLOCK
-        self._rcvmore = zmq.RCVMORE
         self._loop: asyncio.AbstractEventLoop | None = None  # for calls with stages, async
         # Liveness: a heartbeat every `heartbeat` seconds (0: none), sent by whichever thread
         # has the socket: the control thread while a call runs, the main thread otherwise.
-        self._again: type[Exception] = zmq.Again
         if heartbeat > 0:
             # The idle main thread's recv returns after a heartbeat interval of silence.
             sock.setsockopt(zmq.RCVTIMEO, max(1, int(heartbeat * 1000)))
@@ -212,7 +224,7 @@ class _Server:
                         # to miss), at most a heartbeat interval (RCVTIMEO).
                         try:
                             frames = self._recv(0)
-                        except self._again:
+                        except _AGAIN:
                             # A heartbeat interval without a call: the next call's CPU is
                             # read afresh (what the worker's threads spent idle is not its).
                             self._usage = None
@@ -233,6 +245,8 @@ class _Server:
             control.join(1.0)
             if self._loop is not None:
                 self._loop.close()
+            if self._words is not None:
+                self._words.release()  # (the ledger may be closed now)
 
     def _run(self, msg: CallMessage) -> tuple[ResultMessage, Sequence[bytes]]:
         """Without the lock: run the call taken up; its result message and its value's parts."""
@@ -275,8 +289,8 @@ class _Server:
         value: Any = None
         started = self.cause is None
         if started:
-            if self.ledger is not None:  # (the machine's MarkInvoked, without its lock)
-                write_invoked(self.ledger, call_id)
+            if self._words is not None:  # (the machine's MarkInvoked, without its lock)
+                self._words[INVOKED_WORD] = call_id + 1
             self.started_at = time.monotonic()
             try:
                 try:
@@ -389,8 +403,10 @@ class _Server:
             self._perform(out)
             return None
         msg = run.msg
-        if run.mark:
-            write_taken(self.ledger, msg.call_id)  # type: ignore[arg-type]
+        if run.mark:  # (the marks: this call taken up, none invoked)
+            ledger = self._words
+            ledger[TAKEN_WORD] = msg.call_id + 1
+            ledger[INVOKED_WORD] = 0
         self.current = (msg.call_id, None)
         self.cause = None
         self.started_at = 0.0
@@ -407,8 +423,8 @@ class _Server:
         said 'started' at once, as it always was, under the lock (the control thread must not
         see it invoked and say it too)."""
         if not is_async:
-            if self.ledger is not None:  # (the machine's MarkInvoked, without its lock)
-                write_invoked(self.ledger, call_id)
+            if self._words is not None:  # (the machine's MarkInvoked, without its lock)
+                self._words[INVOKED_WORD] = call_id + 1
             self.started_at = time.monotonic()
             return
         with self.mu:
@@ -424,7 +440,7 @@ class _Server:
         # (_transport.readable, inline: twice a call.) All parts of one message (the calls
         # sent together): one check of the socket's events per message, not per frame.
         while sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # (an int)
-            self._handle_frames(self._recv(self._noblock))
+            self._handle_frames(self._recv(_NOBLOCK))
 
     def _recv(self, flags: int) -> list[Any]:
         """One message: its first frame as bytes, the others as zmq frames, received without
@@ -432,7 +448,7 @@ class _Server:
         gets; a frame that is a message is decoded from the zmq frame itself)."""
         sock = self.sock
         frames: list[Any] = [sock.recv(flags)]
-        while sock.getsockopt(self._rcvmore):
+        while sock.getsockopt(_RCVMORE):
             frames.append(sock.recv(flags, copy=False))
         return frames
 
@@ -471,9 +487,13 @@ class _Server:
         """With the lock: do what the machine asked, in order."""
         for action in actions:
             # (By type, the kinds every call asks for first: KeepResult, SendFrames.)
-            if type(action) is KeepResult:
-                assert self.ledger is not None
-                write_slot(self.ledger, action.slot, action.seq, action.frame)
+            if type(action) is KeepResult:  # (protocol._ledger.write_slot, by its words)
+                seq_word, length_word, at = self._slots[action.slot]
+                frame = action.frame
+                self.ledger[at : at + len(frame)] = frame  # type: ignore[index]
+                ledger = self._words
+                ledger[length_word] = len(frame)
+                ledger[seq_word] = action.seq
             elif type(action) is SendFrames:
                 frames = action.frames
                 if len(frames) == 1:
@@ -485,8 +505,7 @@ class _Server:
                 assert self.ledger is not None
                 write_parts(self.ledger, action.at, action.parts)
             elif type(action) is MarkInvoked:
-                assert self.ledger is not None
-                write_invoked(self.ledger, action.call_id)
+                self._words[INVOKED_WORD] = action.call_id + 1
             elif type(action) is FireCancel:
                 current = self.current
                 if current is not None and current[0] == action.call_id:
