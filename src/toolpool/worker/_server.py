@@ -76,7 +76,7 @@ from ..protocol._ledger import (
 )
 from ..sandbox._cgroups import others_listed
 from ..sandbox._linux import child_pids, reap_zombies
-from ._call import DecodedArgs, _lean_result, _lean_value
+from ._call import _NIL, DecodedArgs, _lean_result, _lean_value
 from ._helpers import helpers
 from ._machine import (
     FireCancel,
@@ -111,6 +111,10 @@ _NOBLOCK, _RCVMORE, _AGAIN = int(zmq.NOBLOCK), int(zmq.RCVMORE), zmq.Again
 #: (The server's attributes stay fewer than 30: past that an instance's dict is its own, and
 #: every attribute read on the hot path is a lookup.)
 RUSAGE_SELF, RUSAGE_CHILDREN = resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN
+
+#: What a lean call's body that returned None gives (:func:`_lean_value`'s).
+_NONE_PACKED: tuple[bytes, tuple[bytes, ...]] = (_NIL, ())
+_NO_PIDS: frozenset[int] = frozenset()
 
 #: This process's pid, read once and again in a child a fork makes (``os.register_at_fork``):
 #: a body's fork is noticed without a ``getpid`` per call.
@@ -196,21 +200,30 @@ class _Server:
     def serve(self) -> None:
         control = start_thread_blocking_signals(self._control, "toolpool control")
         # One section under `mu` a call (a `with` costs twice an acquire and a release): what
-        # the last call concluded, the messages read, the next call taken up.
+        # the last call concluded, the messages read, the next call taken up; and one clock
+        # read for them all (to the control thread, which waits for `mu`, they are one moment).
         mu = self.mu
+        sock = self.sock
+        machine = self.machine
         mu.acquire()
         held = True
         try:
+            now = time.monotonic()
             while True:
-                self._drain()
+                # (_drain, inline: once a call.) All parts of one message (the calls sent
+                # together): one check of the socket's events per message, not per frame.
+                while sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # (an int)
+                    frames: list[Any] = [sock.recv(_NOBLOCK)]
+                    while sock.getsockopt(_RCVMORE):
+                        frames.append(sock.recv(_NOBLOCK, copy=False))
+                    self._handle_frames(frames)
                 if self._failure is not None:
                     raise self._failure
-                machine = self.machine
                 if machine.shutdown and machine.done:  # (one attribute while serving)
                     break
-                if time.monotonic() >= machine.beat_due:  # (also in quick calls)
-                    self._perform(machine.beat(time.monotonic()))
-                job = self._next()
+                if now >= machine.beat_due:  # (also in quick calls)
+                    self._perform(machine.beat(now))
+                job = self._next(now)
                 mu.release()
                 held = False
                 try:
@@ -228,14 +241,27 @@ class _Server:
                             # A heartbeat interval without a call: the next call's CPU is
                             # read afresh (what the worker's threads spent idle is not its).
                             self._usage = None
-                            frames = None
+                            frames = []
                 finally:
                     mu.acquire()
                     held = True
-                if job is not None:
-                    self._conclude(job.call_id, reply, parts)
-                elif frames is not None:
-                    self._handle_frames(frames)
+                now = time.monotonic()
+                if job is None:
+                    if frames:
+                        self._handle_frames(frames)
+                    continue
+                # The call is over. Its result is kept in the ledger and sent; or, while
+                # another call is queued, held back to go with the next ones in one go (one
+                # wake-up of each side's zmq thread for several), unless that call takes time
+                # (the control thread sends them then).
+                self.current = None
+                self.active_at = now
+                self._perform(machine.conclude(reply, parts))
+                if self.watching:
+                    self.watching = False
+                    # It waits on the socket with no timeout once it said 'started'.
+                    if machine.said_started == job.call_id:
+                        self._wake()
         finally:
             if not held:  # (an acquire that raised)
                 mu.acquire()
@@ -249,42 +275,30 @@ class _Server:
                 self._words.release()  # (the ledger may be closed now)
 
     def _run(self, msg: CallMessage) -> tuple[ResultMessage, Sequence[bytes]]:
-        """Without the lock: run the call taken up; its result message and its value's parts."""
+        """Without the lock: run the call taken up; its result message and its value's parts.
+
+        Most calls run lean (``Registry._lean_body``): the body called here with the arguments
+        as they came, with no controller (a cancel received is read from `cause` before the
+        body is invoked and after it returns, as ``_invoke_plain`` reads its signal), and no
+        result object unless it did not return a value it could pack."""
         call_id = msg.call_id
-        before = self._begin()
-        args = self._args(msg)
-        body = self.registry._lean_body(msg.tool, args)
-        if body is not None:
-            return self._run_lean(call_id, msg.tool, body, args, before)
-        result = self._run_staged(msg, args)
-        return self._reply(call_id, result, self._extras(before))
-
-    def _conclude(self, call_id: int, reply: ResultMessage, parts: Sequence[bytes]) -> None:
-        """With the lock: the call is over. Its result is kept in the ledger and sent; or,
-        while another call is queued, held back to go with the next ones in one go (one
-        wake-up of each side's zmq thread for several), unless that call takes time (the
-        control thread sends them then)."""
-        self.current = None
-        self.active_at = time.monotonic()
-        self._perform(self.machine.conclude(reply, parts))
-        # The control thread waits on the socket with no timeout once it said 'started'.
-        wake = self.watching and self.machine.said_started == call_id
-        self.watching = False
-        if wake:
-            self._wake()
-
-    def _run_lean(
-        self,
-        call_id: int,
-        tool: str,
-        body: Callable[..., Any],
-        args: dict[str, Any],
-        before: tuple[float, float],
-    ) -> tuple[ResultMessage, Sequence[bytes]]:
-        """A call that runs lean (``Registry._lean_body``): its body called here with its
-        arguments as they came, with no controller (a cancel received is read from `cause`
-        before the body is invoked and after it returns, as ``_invoke_plain`` reads its
-        signal), and no result object unless it did not return a value it could pack."""
+        # The call's start: its CPU reading is the last call's end (one reading a call), if
+        # this call came within a heartbeat interval of it, and the worker had no child then
+        # (else those the supervisor killed since are reaped, and the reading is afresh).
+        before = self._usage
+        if self._had_children or before is None:
+            reap_zombies()  # leftovers the supervisor killed between calls
+            before = _usage()
+        if self.capture is not None:
+            self.capture.begin()
+        try:
+            args = unpack_args(msg.args, self.max_frame, msg.data)
+        except ValueError as bad:
+            args = bad  # the registry turns a non-mapping into an ordinary `error`
+        tool = msg.tool
+        body = self.registry._lean_body(tool, args)
+        if body is None:
+            return self._reply(call_id, self._run_staged(msg, args), before)
         exc: BaseException | None = None
         value: Any = None
         started = self.cause is None
@@ -303,13 +317,12 @@ class _Server:
             except BaseException as caught:  # a result, like any failure of a body (C2.6)
                 exc = caught
         cause = self.cause
-        packed = _lean_value(value) if exc is None and cause is None else None
-        if packed is None:
-            result = _lean_result(tool, str(call_id), cause, started=started, exc=exc, value=value)
-            return self._reply(call_id, result, self._extras(before))
-        return self._message(
-            call_id, "ok", packed[0], packed[1], None, None, True, {}, self._extras(before)
-        )
+        if exc is None and cause is None:
+            packed = _NONE_PACKED if value is None else _lean_value(value)
+            if packed is not None:
+                return self._message(call_id, "ok", *packed, None, None, True, {}, before)
+        result = _lean_result(tool, str(call_id), cause, started=started, exc=exc, value=value)
+        return self._reply(call_id, result, before)
 
     def _run_staged(self, msg: CallMessage, args: Any) -> ToolResult:
         """A call that does not run lean: through the registry's pipeline, with a controller
@@ -393,8 +406,9 @@ class _Server:
             self._perform(out)
         return wait
 
-    def _next(self) -> CallMessage | None:
-        """With the lock, on the main thread: take up the next queued call, if it may be."""
+    def _next(self, now: float) -> CallMessage | None:
+        """With the lock, on the main thread: take up the next queued call, if it may be
+        (``now``: the time)."""
         out = self.machine.next()
         if not out:
             return None
@@ -410,7 +424,7 @@ class _Server:
         self.current = (msg.call_id, None)
         self.cause = None
         self.started_at = 0.0
-        self.taken_at = self.active_at = time.monotonic()
+        self.taken_at = self.active_at = now
         if not self.looking:
             self.looking = True
             self._wake()
@@ -583,42 +597,8 @@ class _Server:
 
     # What every call does.
 
-    def _begin(self) -> tuple[float, float]:
-        """The call's start: its CPU reading is the last call's end (one reading a call), if
-        this call came within a heartbeat interval of it, and the worker had no child then
-        (else those the supervisor killed since are reaped, and the reading is afresh)."""
-        usage = self._usage
-        if self._had_children or usage is None:
-            reap_zombies()  # leftovers the supervisor killed between calls
-            usage = _usage()
-        if self.capture is not None:
-            self.capture.begin()
-        return usage
-
-    def _args(self, msg: CallMessage) -> Any:
-        try:
-            return unpack_args(msg.args, self.max_frame, msg.data)
-        except ValueError as exc:
-            return exc  # the registry turns a non-mapping into an ordinary `error`
-
-    def _extras(self, before: tuple[float, float]) -> dict[str, Any]:
-        """The call's CPU time (the worker's threads and children reaped meanwhile, since
-        ``before``), the high-water mark of resident memory (the worker's, or its largest
-        reaped child's), when its body was invoked; and the reading now (:func:`_usage`'s),
-        the next call's start."""
-        own = resource.getrusage(RUSAGE_SELF)
-        kids = resource.getrusage(RUSAGE_CHILDREN)
-        now = self._usage = (own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime)
-        extras = {
-            "cpu_time": (now[0] - before[0]) + (now[1] - before[1]),
-            "max_rss": max(own.ru_maxrss, kids.ru_maxrss) * 1024,
-        }
-        if self.started_at:
-            extras["started_at"] = self.started_at
-        return extras
-
     def _reply(
-        self, call_id: int, result: ToolResult, extras: dict[str, Any]
+        self, call_id: int, result: ToolResult, before: tuple[float, float]
     ) -> tuple[ResultMessage, Sequence[bytes]]:
         """The call is over with ``result``: its :meth:`_message`."""
         packed = result._packed_value
@@ -634,7 +614,7 @@ class _Server:
             result.error_name,
             result.body_started,
             dict(result.context),
-            extras,
+            before,
         )
 
     def _message(
@@ -647,16 +627,28 @@ class _Server:
         error_name: str | None,
         started: bool,
         context: dict[str, Any],
-        extras: dict[str, Any],
+        before: tuple[float, float],
     ) -> tuple[ResultMessage, Sequence[bytes]]:
-        """The call is over: its captured output; its leftovers counted (one wait call, if
-        it has no child); its result message (the machine keeps it in the ledger, and sends
-        it or holds it back) and the parts of its value (the machine puts them in the
-        ledger's spill)."""
+        """The call is over: its extras: its CPU time (the worker's threads and children
+        reaped meanwhile, since ``before``), the high-water mark of resident memory (the
+        worker's, or its largest reaped child's), when its body was invoked, its captured
+        output; its leftovers counted (one wait call, if it has no child); its result message
+        (the machine keeps it in the ledger, and sends it or holds it back) and the parts of
+        its value (the machine puts them in the ledger's spill). The CPU reading now
+        (:func:`_usage`'s) is the next call's start."""
+        own = resource.getrusage(RUSAGE_SELF)
+        kids = resource.getrusage(RUSAGE_CHILDREN)
+        now = self._usage = (own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime)
+        extras: dict[str, Any] = {
+            "cpu_time": (now[0] - before[0]) + (now[1] - before[1]),
+            "max_rss": max(own.ru_maxrss, kids.ru_maxrss) * 1024,
+        }
+        if self.started_at:
+            extras["started_at"] = self.started_at
         if self.capture is not None:
             extras["output"], extras["output_dropped"] = self.capture.collect(call_id)
         self._had_children = _has_children()
-        kept = helpers() if self._had_children or self.members is not None else frozenset()
+        kept = helpers() if self._had_children or self.members is not None else _NO_PIDS
         leftovers = len(set(_children()) - kept) if self._had_children else 0
         if not leftovers and self.members is not None:
             try:
