@@ -24,12 +24,14 @@ from ._checks import binary as _bin
 from ._checks import int_id as _int_id
 from ._checks import text as _text
 from ._values import (
+    _SMALL,
     DEFAULT_MAX_FRAME,
     MAX_PARTS,
     PART_EXT,
     PART_MIN,
+    _undecodable,
     _unpack,
-    _unpack_small,
+    _unpackb,
     check_spill,
     pack_parts,
     pack_value,
@@ -595,7 +597,14 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
 
 def decode_from_supervisor(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> SupervisorMessage:
     """Decode one frame the supervisor sent (the worker validates it too)."""
-    data = _unpack_small(frame, max_len)
+    size = len(frame)  # (_unpack_small, inline: once a call)
+    if size > _SMALL or size > max_len:
+        data = _unpack(frame, max_len)
+    else:
+        try:
+            data = _unpackb(frame, max_ext_len=0)
+        except Exception as exc:
+            raise _undecodable(exc) from None
     # A call without parts, the most frequent frame, checked inline: what the general path
     # below checks (anything unusual goes that way, to fail there with its reason).
     if type(data) is list and len(data) == 5 and data[0] == "call":

@@ -17,8 +17,9 @@ The simulation (``tests/sim_world.py``) drives this same machine for its modelle
 The worker is in one of three phases (``PHASE_MOVES``): ``idle`` (no call taken up), ``running``
 (a call taken up: its body runs, or is about to), ``held`` (the last call left processes
 behind: nothing is taken up until ``resume``). It moves only through :meth:`advance`, which
-raises :class:`IllegalPhaseMove` on a move the table does not have; :meth:`check` asserts the
-invariants between its fields.
+raises :class:`IllegalPhaseMove` on a move the table does not have (``next`` and ``conclude``,
+once a call each, make theirs inline: IDLE -> RUNNING, RUNNING -> IDLE or HELD, all in the
+table, a test says); :meth:`check` asserts the invariants between its fields.
 """
 
 from __future__ import annotations
@@ -293,7 +294,7 @@ class WorkerMachine:
             # nothing is taken up now: what was held back goes at once.
             return self.flush()
         msg = self.queue.popleft()
-        self.advance(_RUNNING)
+        self.phase = _RUNNING  # (advance's move, inline: IDLE -> RUNNING, in the table)
         self.current = msg.call_id
         return (_new(RunCall, (msg, self.ledger)),)
 
@@ -326,7 +327,9 @@ class WorkerMachine:
             raise IllegalPhaseMove(f"worker: concluded call {call_id}, not {self.current}")
         # Left processes behind: take up nothing more until the supervisor killed them.
         held = reply.leftovers > 0 and not self.allow_background
-        self.advance(_HELD if held else _IDLE)
+        # (advance's move, inline: a call is taken up only while RUNNING, so RUNNING -> HELD
+        # or IDLE, in the table.)
+        self.phase = _HELD if held else _IDLE
         self.current = None
         self.progress = None  # the result says the rest: a report not sent yet is dropped
         self.progress_new = False
@@ -334,7 +337,14 @@ class WorkerMachine:
         # A value too large for a ledger slot however it is framed is not kept (nor framed
         # twice to find out).
         value = reply.value
-        slot = None if value is not None and len(value) > SLOT_PAYLOAD else self._free_slot()
+        slot = None
+        if self.ledger and (value is None or len(value) <= SLOT_PAYLOAD):
+            # (_free_slot, inline: once a call.)
+            acked = self.acked
+            for i, seq in enumerate(self.slots):
+                if seq <= acked:
+                    slot = i
+                    break
         results = self.results = self.results + 1
         spill_at = None
         if parts:

@@ -205,6 +205,7 @@ class _Server:
         mu = self.mu
         sock = self.sock
         machine = self.machine
+        max_frame = self.max_frame
         mu.acquire()
         held = True
         try:
@@ -213,10 +214,21 @@ class _Server:
                 # (_drain, inline: once a call.) All parts of one message (the calls sent
                 # together): one check of the socket's events per message, not per frame.
                 while sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # (an int)
-                    frames: list[Any] = [sock.recv(_NOBLOCK)]
-                    while sock.getsockopt(_RCVMORE):
-                        frames.append(sock.recv(_NOBLOCK, copy=False))
-                    self._handle_frames(frames)
+                    frame = sock.recv(_NOBLOCK)
+                    if sock.getsockopt(_RCVMORE):  # (a call's parts follow it)
+                        self._handle_frames([frame, *self._recv_more()])
+                        continue
+                    try:  # (_handle_frames, inline, for a message of one frame)
+                        msg = decode_from_supervisor(frame, max_len=max_frame)
+                    except ProtocolViolation:
+                        traceback.print_exc()
+                        os._exit(EXIT_PROTOCOL)
+                    if type(msg) is CallMessage and msg.parts:  # its parts are missing:
+                        self._handle_frames([frame])  # (a violation: said, and the exit)
+                        continue
+                    out = machine.receive(msg)
+                    if out:
+                        self._perform(out)
                 if self._failure is not None:
                     raise self._failure
                 if machine.shutdown and machine.done:  # (one attribute while serving)
@@ -416,8 +428,8 @@ class _Server:
         if type(run) is not RunCall:  # not taken up: what was held back goes
             self._perform(out)
             return None
-        msg = run.msg
-        if run.mark:  # (the marks: this call taken up, none invoked)
+        msg, mark = run
+        if mark:  # (the marks: this call taken up, none invoked)
             ledger = self._words
             ledger[TAKEN_WORD] = msg.call_id + 1
             ledger[INVOKED_WORD] = 0
@@ -466,6 +478,15 @@ class _Server:
             frames.append(sock.recv(flags, copy=False))
         return frames
 
+    def _recv_more(self) -> list[Any]:
+        """The other frames of a message whose first was received: zmq frames, without a copy
+        (as :meth:`_recv` receives them)."""
+        sock = self.sock
+        frames: list[Any] = [sock.recv(_NOBLOCK, copy=False)]
+        while sock.getsockopt(_RCVMORE):
+            frames.append(sock.recv(_NOBLOCK, copy=False))
+        return frames
+
     def _handle_frames(self, frames: list[Any]) -> None:
         try:
             if len(frames) == 1:  # (most messages: one frame, no parts)
@@ -501,15 +522,16 @@ class _Server:
         """With the lock: do what the machine asked, in order."""
         for action in actions:
             # (By type, the kinds every call asks for first: KeepResult, SendFrames.)
+            # (Fields by unpacking: a NamedTuple's attribute is read through its descriptor.)
             if type(action) is KeepResult:  # (protocol._ledger.write_slot, by its words)
-                seq_word, length_word, at = self._slots[action.slot]
-                frame = action.frame
+                slot, seq, frame = action
+                seq_word, length_word, at = self._slots[slot]
                 self.ledger[at : at + len(frame)] = frame  # type: ignore[index]
                 ledger = self._words
                 ledger[length_word] = len(frame)
-                ledger[seq_word] = action.seq
+                ledger[seq_word] = seq
             elif type(action) is SendFrames:
-                frames = action.frames
+                (frames,) = action
                 if len(frames) == 1:
                     frame = frames[0]
                     self.sock.send(frame, 0, copy=len(frame) < 65536)
@@ -647,9 +669,9 @@ class _Server:
             extras["started_at"] = self.started_at
         if self.capture is not None:
             extras["output"], extras["output_dropped"] = self.capture.collect(call_id)
-        self._had_children = _has_children()
-        kept = helpers() if self._had_children or self.members is not None else _NO_PIDS
-        leftovers = len(set(_children()) - kept) if self._had_children else 0
+        had = self._had_children = _has_children()
+        kept = helpers() if had or self.members is not None else _NO_PIDS
+        leftovers = len(set(_children()) - kept) if had else 0
         if not leftovers and self.members is not None:
             try:
                 listed = os.pread(self.members, 1 << 16, 0)
