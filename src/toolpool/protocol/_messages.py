@@ -60,6 +60,7 @@ __all__ = (
     "ProgressMessage",
     "ProtocolViolation",
     "Recall",
+    "ResultFields",
     "ResultMessage",
     "Resume",
     "Shutdown",
@@ -77,6 +78,7 @@ __all__ = (
     "pack_parts",
     "pack_value",
     "result_encoder",
+    "result_fields_encoder",
     "unpack_args",
     "unpack_value",
 )
@@ -389,6 +391,25 @@ def result_encoder() -> Callable[[ResultMessage], bytes]:
         return pack(fields)
 
     return encode_result
+
+
+#: A result's nine fields, in ``ResultMessage``'s order: call_id, outcome, value, error,
+#: error_name, body_started, context, leftovers, extras.
+ResultFields: TypeAlias = tuple[
+    int, str, bytes | None, str | None, str | None, bool, dict[str, Any], int, dict[str, Any]
+]
+
+
+def result_fields_encoder() -> Callable[[ResultFields], bytes]:
+    """:func:`result_encoder`'s, of a result's fields (:data:`ResultFields`): the frame of
+    ``ResultMessage(*fields)``, byte for byte, with no message made (the worker's, for every
+    call's result: a message costs as much as its frame's pack)."""
+    pack = msgpack.Packer(use_bin_type=True).pack
+
+    def encode_fields(fields: ResultFields) -> bytes:
+        return pack(["result", *fields])
+
+    return encode_fields
 
 
 def _amount(value: Any, what: str) -> float:

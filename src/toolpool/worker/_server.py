@@ -56,10 +56,9 @@ from ..core import CancelCause, CancelController, cancel_with_runtime_cause
 from ..protocol import (
     CallMessage,
     ProtocolViolation,
-    ResultMessage,
+    ResultFields,
     decode_from_supervisor,
     decode_supervisor_frames,
-    new_result,
     pack_parts,
     pack_value,
     unpack_args,
@@ -268,7 +267,7 @@ class _Server:
                 # (the control thread sends them then).
                 self.current = None
                 self.active_at = now
-                self._perform(machine.conclude(reply, parts))
+                self._perform(machine.conclude_fields(reply, parts))
                 if self.watching:
                     self.watching = False
                     # It waits on the socket with no timeout once it said 'started'.
@@ -286,7 +285,7 @@ class _Server:
             if self._words is not None:
                 self._words.release()  # (the ledger may be closed now)
 
-    def _run(self, msg: CallMessage) -> tuple[ResultMessage, Sequence[bytes]]:
+    def _run(self, msg: CallMessage) -> tuple[ResultFields, Sequence[bytes]]:
         """Without the lock: run the call taken up; its result message and its value's parts.
 
         Most calls run lean (``Registry._lean_body``): the body called here with the arguments
@@ -621,7 +620,7 @@ class _Server:
 
     def _reply(
         self, call_id: int, result: ToolResult, before: tuple[float, float]
-    ) -> tuple[ResultMessage, Sequence[bytes]]:
+    ) -> tuple[ResultFields, Sequence[bytes]]:
         """The call is over with ``result``: its :meth:`_message`."""
         packed = result._packed_value
         parts: Sequence[bytes] = result._packed_parts
@@ -650,13 +649,14 @@ class _Server:
         started: bool,
         context: dict[str, Any],
         before: tuple[float, float],
-    ) -> tuple[ResultMessage, Sequence[bytes]]:
+    ) -> tuple[ResultFields, Sequence[bytes]]:
         """The call is over: its extras: its CPU time (the worker's threads and children
         reaped meanwhile, since ``before``), the high-water mark of resident memory (the
         worker's, or its largest reaped child's), when its body was invoked, its captured
-        output; its leftovers counted (one wait call, if it has no child); its result message
-        (the machine keeps it in the ledger, and sends it or holds it back) and the parts of
-        its value (the machine puts them in the ledger's spill). The CPU reading now
+        output; its leftovers counted (one wait call, if it has no child); its result message's
+        fields (the machine frames them, keeps the frame in the ledger, and sends it or holds
+        it back: ``conclude_fields``) and the parts of its value (the machine puts them in the
+        ledger's spill). The CPU reading now
         (:func:`_usage`'s) is the next call's start."""
         own = resource.getrusage(RUSAGE_SELF)
         kids = resource.getrusage(RUSAGE_CHILDREN)
@@ -682,10 +682,17 @@ class _Server:
                 leftovers = 0
         if parts and self.ledger is None:  # no spill: the value goes inline
             packed, parts = pack_value(unpack_value(packed or b"", self.max_frame, parts)), ()
-        reply = new_result(
-            call_id, outcome, packed, error, error_name, started, context, leftovers, extras
-        )
-        return reply, parts
+        return (
+            call_id,
+            outcome,
+            packed,
+            error,
+            error_name,
+            started,
+            context,
+            leftovers,
+            extras,
+        ), parts
 
 
 def _children() -> list[int]:
