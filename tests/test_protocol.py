@@ -34,8 +34,8 @@ from toolpool.protocol import (
     encode_call,
     new_result,
     pack_value,
+    result_array_encoder,
     result_encoder,
-    result_fields_encoder,
     unpack_args,
     unpack_value,
 )
@@ -247,12 +247,12 @@ def test_the_workers_result_encoder_is_byte_for_byte_encode(
     with pytest.raises(TypeError):  # (and after a failure too)
         encode_result(new_result(*fields, leftovers, {"x": object()}))
     assert encode_result(made) == encode(made)
-    # And of the fields alone, with no message made (the worker's machine, every call).
-    encode_fields = result_fields_encoder()
-    assert encode_fields((*fields, leftovers, extras)) == encode(made)
+    # And of its array, with no message made (the worker's machine, every call).
+    encode_array = result_array_encoder()
+    assert encode_array((Result.TYPE, *fields, leftovers, extras)) == encode(made)
     with pytest.raises(TypeError):
-        encode_fields((*fields, leftovers, {"x": object()}))
-    assert encode_fields((*fields, leftovers, extras)) == encode(made)
+        encode_array((Result.TYPE, *fields, leftovers, {"x": object()}))
+    assert encode_array((Result.TYPE, *fields, leftovers, extras)) == encode(made)
 
 
 def _decoded(unpack: Any, data: bytes, max_len: int) -> Any:

@@ -60,7 +60,7 @@ __all__ = (
     "ProgressMessage",
     "ProtocolViolation",
     "Recall",
-    "ResultFields",
+    "ResultArray",
     "ResultMessage",
     "Resume",
     "Shutdown",
@@ -78,7 +78,7 @@ __all__ = (
     "pack_parts",
     "pack_value",
     "result_encoder",
-    "result_fields_encoder",
+    "result_array_encoder",
     "unpack_args",
     "unpack_value",
 )
@@ -393,23 +393,21 @@ def result_encoder() -> Callable[[ResultMessage], bytes]:
     return encode_result
 
 
-#: A result's nine fields, in ``ResultMessage``'s order: call_id, outcome, value, error,
-#: error_name, body_started, context, leftovers, extras.
-ResultFields: TypeAlias = tuple[
-    int, str, bytes | None, str | None, str | None, bool, dict[str, Any], int, dict[str, Any]
+#: A result's frame as the array it packs to: ``ResultMessage.TYPE`` ("result"), then the
+#: message's nine fields in order (call_id, outcome, value, error, error_name, body_started,
+#: context, leftovers, extras).
+ResultArray: TypeAlias = tuple[
+    str, int, str, bytes | None, str | None, str | None, bool, dict[str, Any], int, dict[str, Any]
 ]
 
 
-def result_fields_encoder() -> Callable[[ResultFields], bytes]:
-    """:func:`result_encoder`'s, of a result's fields (:data:`ResultFields`): the frame of
-    ``ResultMessage(*fields)``, byte for byte, with no message made (the worker's, for every
-    call's result: a message costs as much as its frame's pack)."""
-    pack = msgpack.Packer(use_bin_type=True).pack
-
-    def encode_fields(fields: ResultFields) -> bytes:
-        return pack(["result", *fields])
-
-    return encode_fields
+def result_array_encoder() -> Callable[[ResultArray], bytes]:
+    """An encoder of a result's array (:data:`ResultArray`): the frame of
+    ``ResultMessage(*array[1:])``, byte for byte what :func:`encode` makes of it, with no
+    message made and no Python frame (a packer's own ``pack``, of its own: a tuple packs as
+    the list ``encode`` packs), for one thread at a time. The worker's machine's, for every
+    call's result: a message costs as much as its frame's pack."""
+    return msgpack.Packer(use_bin_type=True).pack
 
 
 def _amount(value: Any, what: str) -> float:

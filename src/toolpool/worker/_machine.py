@@ -17,9 +17,9 @@ The simulation (``tests/sim_world.py``) drives this same machine for its modelle
 The worker is in one of three phases (``PHASE_MOVES``): ``idle`` (no call taken up), ``running``
 (a call taken up: its body runs, or is about to), ``held`` (the last call left processes
 behind: nothing is taken up until ``resume``). It moves only through :meth:`advance`, which
-raises :class:`IllegalPhaseMove` on a move the table does not have (``next``, once a call,
-makes its own inline: IDLE -> RUNNING, in the table, a test says); :meth:`check` asserts the
-invariants between its fields.
+raises :class:`IllegalPhaseMove` on a move the table does not have (``next`` and ``conclude``,
+once a call each, make theirs inline: IDLE -> RUNNING, RUNNING -> IDLE, in the table, a test
+says); :meth:`check` asserts the invariants between its fields.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from ..protocol import (
     Pong,
     ProgressMessage,
     Recall,
-    ResultFields,
+    ResultArray,
     ResultMessage,
     Resume,
     Shutdown,
@@ -52,8 +52,8 @@ from ..protocol import (
     encode,
     new_result,
     pack_value,
+    result_array_encoder,
     result_encoder,
-    result_fields_encoder,
     unpack_value,
 )
 from ..protocol._ledger import SLOT_PAYLOAD, SLOTS
@@ -211,7 +211,7 @@ class WorkerMachine:
         # A result's frame (as ``encode`` makes it, in one pack, with a packer of its own:
         # the machine is used by one thread at a time).
         self._encode_result = result_encoder()
-        self._encode_fields = result_fields_encoder()
+        self._encode_array = result_array_encoder()
 
     # The table.
 
@@ -326,7 +326,8 @@ class WorkerMachine:
         ``extras`` changed in place): keep it in a ledger slot if one is free and it fits,
         and send it, or hold it back while another call is queued. ``parts``: those of its
         packed value (``protocol.pack_parts``), kept in the spill where there is room."""
-        fields: ResultFields = (
+        array: ResultArray = (
+            reply.TYPE,
             reply.call_id,
             reply.outcome,
             reply.value,
@@ -337,20 +338,24 @@ class WorkerMachine:
             reply.leftovers,
             reply.extras,
         )
-        return self.conclude_fields(fields, parts)
+        return self.conclude_array(array, parts)
 
-    def conclude_fields(
-        self, fields: ResultFields, parts: Sequence[bytes] = ()
+    def conclude_array(
+        self, array: ResultArray, parts: Sequence[bytes] = ()
     ) -> Sequence[WorkerAction]:
-        """:meth:`conclude` of ``ResultMessage(*fields)``, with no message made, unless a rare
-        path needs one (parts, a frame too large): the shell's, once a call (a message costs as
-        much as its frame's pack)."""
-        call_id, _, value, _, _, _, _, leftovers, extras = fields
+        """:meth:`conclude` of ``ResultMessage(*array[1:])``, given as the array its frame
+        packs to (``protocol.ResultArray``), with no message made unless a rare path needs one
+        (parts, a frame too large): the shell's, once a call (a message costs as much as its
+        frame's pack)."""
+        _, call_id, _, value, _, _, _, _, leftovers, extras = array
         if self.current != call_id:
             raise IllegalPhaseMove(f"worker: concluded call {call_id}, not {self.current}")
         # Left processes behind: take up nothing more until the supervisor killed them.
         held = leftovers > 0 and not self.allow_background
-        self.advance(_HELD if held else _IDLE)
+        if held:
+            self.advance(_HELD)
+        else:  # (advance's move, inline: RUNNING -> IDLE, in the table; once a call)
+            self.phase = _IDLE
         self.current = None
         self.progress = None  # the result says the rest: a report not sent yet is dropped
         self.progress_new = False
@@ -368,7 +373,7 @@ class WorkerMachine:
         spill_at = None
         reply: ResultMessage | None = None  # (made where a rare path needs it)
         if parts:
-            reply = new_result(*fields)
+            reply = new_result(*array[1:])
             need = sum(len(p) for p in parts)
             if slot is not None and len(reply.value or b"") + need <= self.max_frame - 1024:
                 spill_at = self._spill_room(need)
@@ -390,12 +395,12 @@ class WorkerMachine:
                 self.spilled.append((results, spill_at, spill_at + need))
         extras["kept"] = slot is not None
         encode_result = self._encode_result
-        frame = self._encode_fields(fields) if reply is None else encode_result(reply)
+        frame = self._encode_array(array) if reply is None else encode_result(reply)
         if len(frame) > self.max_frame:
             # The supervisor would drop the connection over it, and the worker with it: what
             # does not fit is left out, and said (the worker goes on serving).
             if reply is None:
-                reply = new_result(*fields)
+                reply = new_result(*array[1:])
             reply = within(reply, len(frame), self.max_frame)
             frame = encode_result(reply)
         out: list[WorkerAction] = []
@@ -410,7 +415,7 @@ class WorkerMachine:
         else:
             if slot is not None:  # too large to keep after all: say so
                 extras["kept"] = False
-                frame = self._encode_fields(fields) if reply is None else encode_result(reply)
+                frame = self._encode_array(array) if reply is None else encode_result(reply)
             self.need_ack = results
         if kept and self.queue and not held and not self.shutdown and len(self.pending) < HOLD_BACK:
             # Another call is queued: send this result with the next ones, in one go (one

@@ -48,7 +48,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import zmq
 
@@ -56,7 +56,8 @@ from ..core import CancelCause, CancelController, cancel_with_runtime_cause
 from ..protocol import (
     CallMessage,
     ProtocolViolation,
-    ResultFields,
+    ResultArray,
+    ResultMessage,
     decode_from_supervisor,
     decode_supervisor_frames,
     pack_parts,
@@ -114,6 +115,7 @@ RUSAGE_SELF, RUSAGE_CHILDREN = resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN
 #: What a lean call's body that returned None gives (:func:`_lean_value`'s).
 _NONE_PACKED: tuple[bytes, tuple[bytes, ...]] = (_NIL, ())
 _NO_PIDS: frozenset[int] = frozenset()
+_RESULT: Final = ResultMessage.TYPE
 
 #: This process's pid, read once and again in a child a fork makes (``os.register_at_fork``):
 #: a body's fork is noticed without a ``getpid`` per call.
@@ -267,7 +269,7 @@ class _Server:
                 # (the control thread sends them then).
                 self.current = None
                 self.active_at = now
-                self._perform(machine.conclude_fields(reply, parts))
+                self._perform(machine.conclude_array(reply, parts))
                 if self.watching:
                     self.watching = False
                     # It waits on the socket with no timeout once it said 'started'.
@@ -285,8 +287,10 @@ class _Server:
             if self._words is not None:
                 self._words.release()  # (the ledger may be closed now)
 
-    def _run(self, msg: CallMessage) -> tuple[ResultFields, Sequence[bytes]]:
-        """Without the lock: run the call taken up; its result message and its value's parts.
+    def _run(self, msg: CallMessage) -> tuple[ResultArray, Sequence[bytes]]:
+        """Without the lock: run the call taken up; its result (as the machine frames it:
+        ``conclude_array``) and the parts of its value (the machine puts them in the
+        ledger's spill).
 
         Most calls run lean (``Registry._lean_body``): the body called here with the arguments
         as they came, with no controller (a cancel received is read from `cause` before the
@@ -309,31 +313,67 @@ class _Server:
         tool = msg.tool
         body = self.registry._lean_body(tool, args)
         if body is None:
-            return self._reply(call_id, self._run_staged(msg, args), before)
-        exc: BaseException | None = None
-        value: Any = None
-        started = self.cause is None
-        if started:
-            if self._words is not None:  # (the machine's MarkInvoked, without its lock)
-                self._words[INVOKED_WORD] = call_id + 1
-            self.started_at = time.monotonic()
-            try:
+            reply = _of_result(self._run_staged(msg, args))
+        else:
+            exc: BaseException | None = None
+            value: Any = None
+            invoke = self.cause is None
+            if invoke:
+                if self._words is not None:  # (the machine's MarkInvoked, without its lock)
+                    self._words[INVOKED_WORD] = call_id + 1
+                self.started_at = time.monotonic()
                 try:
-                    value = body(**args)
-                except StopIteration as raised:  # (as _call_sync_body has it)
-                    raise RuntimeError("coroutine raised StopIteration") from raised
-                finally:
-                    if _pid[0] != self.pid:
-                        os._exit(0)  # (a leftover of the call: see _call_sync)
-            except BaseException as caught:  # a result, like any failure of a body (C2.6)
-                exc = caught
-        cause = self.cause
-        if exc is None and cause is None:
-            packed = _NONE_PACKED if value is None else _lean_value(value)
+                    try:
+                        value = body(**args)
+                    except StopIteration as raised:  # (as _call_sync_body has it)
+                        raise RuntimeError("coroutine raised StopIteration") from raised
+                    finally:
+                        if _pid[0] != self.pid:
+                            os._exit(0)  # (a leftover of the call: see _call_sync)
+                except BaseException as caught:  # a result, like any failure of a body (C2.6)
+                    exc = caught
+            cause = self.cause
+            packed = None
+            if exc is None and cause is None:
+                packed = _NONE_PACKED if value is None else _lean_value(value)
             if packed is not None:
-                return self._message(call_id, "ok", *packed, None, None, True, {}, before)
-        result = _lean_result(tool, str(call_id), cause, started=started, exc=exc, value=value)
-        return self._reply(call_id, result, before)
+                reply = ("ok", *packed, None, None, True, {})
+            else:
+                reply = _of_result(
+                    _lean_result(tool, str(call_id), cause, started=invoke, exc=exc, value=value)
+                )
+        outcome, value, parts, error, error_name, started, context = reply
+        # The call is over: its CPU time (the worker's threads and children reaped meanwhile,
+        # since `before`), the high-water mark of resident memory (the worker's, or its
+        # largest reaped child's), when its body was invoked, its captured output; the CPU
+        # reading now (_usage's) is the next call's start.
+        own = resource.getrusage(RUSAGE_SELF)
+        kids = resource.getrusage(RUSAGE_CHILDREN)
+        now = self._usage = (own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime)
+        extras: dict[str, Any] = {
+            "cpu_time": (now[0] - before[0]) + (now[1] - before[1]),
+            "max_rss": max(own.ru_maxrss, kids.ru_maxrss) * 1024,
+        }
+        if self.started_at:
+            extras["started_at"] = self.started_at
+        if self.capture is not None:
+            extras["output"], extras["output_dropped"] = self.capture.collect(call_id)
+        # Its leftovers counted (one wait call, if it has no child).
+        had = self._had_children = _has_children()
+        kept = helpers() if had or self.members is not None else _NO_PIDS
+        leftovers = len(set(_children()) - kept) if had else 0
+        if not leftovers and self.members is not None:
+            try:
+                listed = os.pread(self.members, 1 << 16, 0)
+                leftovers = others_listed(listed, self.pid)
+                if kept and leftovers:
+                    leftovers = len({int(p) for p in listed.split()} - kept - {self.pid})
+            except OSError:
+                leftovers = 0
+        if parts and self.ledger is None:  # no spill: the value goes inline
+            value, parts = pack_value(unpack_value(value or b"", self.max_frame, parts)), ()
+        array = (_RESULT, call_id, outcome, value, error, error_name, started, context)
+        return (*array, leftovers, extras), parts
 
     def _run_staged(self, msg: CallMessage, args: Any) -> ToolResult:
         """A call that does not run lean: through the registry's pipeline, with a controller
@@ -616,83 +656,26 @@ class _Server:
             return (beat if report is None else report), True
         return min(beat, report), True
 
-    # What every call does.
 
-    def _reply(
-        self, call_id: int, result: ToolResult, before: tuple[float, float]
-    ) -> tuple[ResultFields, Sequence[bytes]]:
-        """The call is over with ``result``: its :meth:`_message`."""
-        packed = result._packed_value
-        parts: Sequence[bytes] = result._packed_parts
-        if packed is None and result.value is not None:
-            packed, parts = pack_parts(result.value)
-        return self._message(
-            call_id,
-            result.outcome._value_,
-            packed,
-            parts,
-            result.error,
-            result.error_name,
-            result.body_started,
-            dict(result.context),
-            before,
-        )
-
-    def _message(
-        self,
-        call_id: int,
-        outcome: str,
-        packed: bytes | None,
-        parts: Sequence[bytes],
-        error: str | None,
-        error_name: str | None,
-        started: bool,
-        context: dict[str, Any],
-        before: tuple[float, float],
-    ) -> tuple[ResultFields, Sequence[bytes]]:
-        """The call is over: its extras: its CPU time (the worker's threads and children
-        reaped meanwhile, since ``before``), the high-water mark of resident memory (the
-        worker's, or its largest reaped child's), when its body was invoked, its captured
-        output; its leftovers counted (one wait call, if it has no child); its result message's
-        fields (the machine frames them, keeps the frame in the ledger, and sends it or holds
-        it back: ``conclude_fields``) and the parts of its value (the machine puts them in the
-        ledger's spill). The CPU reading now
-        (:func:`_usage`'s) is the next call's start."""
-        own = resource.getrusage(RUSAGE_SELF)
-        kids = resource.getrusage(RUSAGE_CHILDREN)
-        now = self._usage = (own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime)
-        extras: dict[str, Any] = {
-            "cpu_time": (now[0] - before[0]) + (now[1] - before[1]),
-            "max_rss": max(own.ru_maxrss, kids.ru_maxrss) * 1024,
-        }
-        if self.started_at:
-            extras["started_at"] = self.started_at
-        if self.capture is not None:
-            extras["output"], extras["output_dropped"] = self.capture.collect(call_id)
-        had = self._had_children = _has_children()
-        kept = helpers() if had or self.members is not None else _NO_PIDS
-        leftovers = len(set(_children()) - kept) if had else 0
-        if not leftovers and self.members is not None:
-            try:
-                listed = os.pread(self.members, 1 << 16, 0)
-                leftovers = others_listed(listed, self.pid)
-                if kept and leftovers:
-                    leftovers = len({int(p) for p in listed.split()} - kept - {self.pid})
-            except OSError:
-                leftovers = 0
-        if parts and self.ledger is None:  # no spill: the value goes inline
-            packed, parts = pack_value(unpack_value(packed or b"", self.max_frame, parts)), ()
-        return (
-            call_id,
-            outcome,
-            packed,
-            error,
-            error_name,
-            started,
-            context,
-            leftovers,
-            extras,
-        ), parts
+def _of_result(
+    result: ToolResult,
+) -> tuple[str, bytes | None, Sequence[bytes], str | None, str | None, bool, dict[str, Any]]:
+    """What a call's result message says of its ``result``: its outcome, its packed value
+    and that value's parts, its error and the error's name, whether its body started, its
+    context."""
+    packed = result._packed_value
+    parts: Sequence[bytes] = result._packed_parts
+    if packed is None and result.value is not None:
+        packed, parts = pack_parts(result.value)
+    return (
+        result.outcome._value_,
+        packed,
+        parts,
+        result.error,
+        result.error_name,
+        result.body_started,
+        dict(result.context),
+    )
 
 
 def _children() -> list[int]:
