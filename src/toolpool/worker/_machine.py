@@ -261,7 +261,7 @@ class WorkerMachine:
 
     def receive(self, msg: Any) -> Sequence[WorkerAction]:
         """A message from the supervisor (decoded, checked)."""
-        if isinstance(msg, CallMessage):
+        if type(msg) is CallMessage or isinstance(msg, CallMessage):  # (the first: cheaper)
             if msg.acked > self.acked:
                 self.acked = msg.acked
             self.queue.append(msg)  # taken up in order

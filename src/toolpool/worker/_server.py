@@ -114,8 +114,8 @@ RUSAGE_SELF, RUSAGE_CHILDREN = resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN
 
 #: What a lean call's body that returned None gives (:func:`_lean_value`'s).
 _NONE_PACKED: tuple[bytes, tuple[bytes, ...]] = (_NIL, ())
-_NO_PIDS: frozenset[int] = frozenset()
 _RESULT: Final = ResultMessage.TYPE
+_monotonic: Final = time.monotonic
 
 #: This process's pid, read once and again in a child a fork makes (``os.register_at_fork``):
 #: a body's fork is noticed without a ``getpid`` per call.
@@ -210,7 +210,7 @@ class _Server:
         mu.acquire()
         held = True
         try:
-            now = time.monotonic()
+            now = _monotonic()
             while True:
                 # (_drain, inline: once a call.) All parts of one message (the calls sent
                 # together): one check of the socket's events per message, not per frame.
@@ -236,7 +236,27 @@ class _Server:
                     break
                 if now >= machine.beat_due:  # (also in quick calls)
                     self._perform(machine.beat(now))
-                job = self._next(now)
+                # The next queued call taken up, if it may be; if not, what was held back goes.
+                job = None
+                out = machine.next()
+                if out:
+                    run = out[-1]
+                    if type(run) is RunCall:
+                        job, mark = run
+                        call_id = job.call_id
+                        if mark:  # (the marks: this call taken up, none invoked)
+                            ledger = self._words
+                            ledger[TAKEN_WORD] = call_id + 1
+                            ledger[INVOKED_WORD] = 0
+                        self.current = (call_id, None)
+                        self.cause = None
+                        self.started_at = 0.0
+                        self.taken_at = self.active_at = now
+                        if not self.looking:
+                            self.looking = True
+                            self._wake()
+                    else:
+                        self._perform(out)
                 mu.release()
                 held = False
                 try:
@@ -258,7 +278,7 @@ class _Server:
                 finally:
                     mu.acquire()
                     held = True
-                now = time.monotonic()
+                now = _monotonic()
                 if job is None:
                     if frames:
                         self._handle_frames(frames)
@@ -273,7 +293,7 @@ class _Server:
                 if self.watching:
                     self.watching = False
                     # It waits on the socket with no timeout once it said 'started'.
-                    if machine.said_started == job.call_id:
+                    if machine.said_started == call_id:
                         self._wake()
         finally:
             if not held:  # (an acquire that raised)
@@ -313,18 +333,19 @@ class _Server:
         tool = msg.tool
         body = self.registry._lean_body(tool, args)
         if body is None:
-            reply = _of_result(self._run_staged(msg, args))
+            result = self._run_staged(msg, args)
+            outcome, value, parts, error, error_name, started, context = _of_result(result)
         else:
             exc: BaseException | None = None
-            value: Any = None
+            returned: Any = None
             invoke = self.cause is None
             if invoke:
                 if self._words is not None:  # (the machine's MarkInvoked, without its lock)
                     self._words[INVOKED_WORD] = call_id + 1
-                self.started_at = time.monotonic()
+                self.started_at = _monotonic()
                 try:
                     try:
-                        value = body(**args)
+                        returned = body(**args)
                     except StopIteration as raised:  # (as _call_sync_body has it)
                         raise RuntimeError("coroutine raised StopIteration") from raised
                     finally:
@@ -335,14 +356,18 @@ class _Server:
             cause = self.cause
             packed = None
             if exc is None and cause is None:
-                packed = _NONE_PACKED if value is None else _lean_value(value)
+                packed = _NONE_PACKED if returned is None else _lean_value(returned)
             if packed is not None:
-                reply = ("ok", *packed, None, None, True, {})
+                value, parts = packed
+                outcome = "ok"
+                error = error_name = None
+                started = True
+                context = {}
             else:
-                reply = _of_result(
-                    _lean_result(tool, str(call_id), cause, started=invoke, exc=exc, value=value)
+                result = _lean_result(
+                    tool, str(call_id), cause, started=invoke, exc=exc, value=returned
                 )
-        outcome, value, parts, error, error_name, started, context = reply
+                outcome, value, parts, error, error_name, started, context = _of_result(result)
         # The call is over: its CPU time (the worker's threads and children reaped meanwhile,
         # since `before`), the high-water mark of resident memory (the worker's, or its
         # largest reaped child's), when its body was invoked, its captured output; the CPU
@@ -360,20 +385,36 @@ class _Server:
             extras["output"], extras["output_dropped"] = self.capture.collect(call_id)
         # Its leftovers counted (one wait call, if it has no child).
         had = self._had_children = _has_children()
-        kept = helpers() if had or self.members is not None else _NO_PIDS
-        leftovers = len(set(_children()) - kept) if had else 0
-        if not leftovers and self.members is not None:
-            try:
-                listed = os.pread(self.members, 1 << 16, 0)
-                leftovers = others_listed(listed, self.pid)
-                if kept and leftovers:
-                    leftovers = len({int(p) for p in listed.split()} - kept - {self.pid})
-            except OSError:
-                leftovers = 0
+        leftovers = 0
+        if had or self.members is not None:
+            kept = helpers()
+            if had:
+                leftovers = len(set(_children()) - kept)
+            if not leftovers and self.members is not None:
+                try:
+                    listed = os.pread(self.members, 1 << 16, 0)
+                    leftovers = others_listed(listed, self.pid)
+                    if kept and leftovers:
+                        leftovers = len({int(p) for p in listed.split()} - kept - {self.pid})
+                except OSError:
+                    leftovers = 0
         if parts and self.ledger is None:  # no spill: the value goes inline
             value, parts = pack_value(unpack_value(value or b"", self.max_frame, parts)), ()
-        array = (_RESULT, call_id, outcome, value, error, error_name, started, context)
-        return (*array, leftovers, extras), parts
+        return (
+            (
+                _RESULT,
+                call_id,
+                outcome,
+                value,
+                error,
+                error_name,
+                started,
+                context,
+                leftovers,
+                extras,
+            ),
+            parts,
+        )
 
     def _run_staged(self, msg: CallMessage, args: Any) -> ToolResult:
         """A call that does not run lean: through the registry's pipeline, with a controller
@@ -457,30 +498,6 @@ class _Server:
             self._perform(out)
         return wait
 
-    def _next(self, now: float) -> CallMessage | None:
-        """With the lock, on the main thread: take up the next queued call, if it may be
-        (``now``: the time)."""
-        out = self.machine.next()
-        if not out:
-            return None
-        run = out[-1]
-        if type(run) is not RunCall:  # not taken up: what was held back goes
-            self._perform(out)
-            return None
-        msg, mark = run
-        if mark:  # (the marks: this call taken up, none invoked)
-            ledger = self._words
-            ledger[TAKEN_WORD] = msg.call_id + 1
-            ledger[INVOKED_WORD] = 0
-        self.current = (msg.call_id, None)
-        self.cause = None
-        self.started_at = 0.0
-        self.taken_at = self.active_at = now
-        if not self.looking:
-            self.looking = True
-            self._wake()
-        return msg
-
     def _invoked(self, call_id: int, is_async: bool) -> None:
         """The body is about to be invoked: the ledger says so first. ('started' is for the
         control thread to say, once started_at is set: so set it only after the mark, or a
@@ -490,11 +507,11 @@ class _Server:
         if not is_async:
             if self._words is not None:  # (the machine's MarkInvoked, without its lock)
                 self._words[INVOKED_WORD] = call_id + 1
-            self.started_at = time.monotonic()
+            self.started_at = _monotonic()
             return
         with self.mu:
             self._perform(self.machine.invoked(call_id, True))
-            self.started_at = time.monotonic()
+            self.started_at = _monotonic()
             if self.watching:  # the send may have consumed the edge it waits on
                 self._wake()
 
@@ -629,7 +646,7 @@ class _Server:
         how long to wait (ms) before looking again (None: until woken or a message comes),
         and whether to wait on the socket too."""
         current = self.current
-        now = time.monotonic()
+        now = _monotonic()
         if current is None:
             if self.looking and now - self.active_at < IDLE_AFTER:
                 return int(TICK * 1000), False
