@@ -255,7 +255,7 @@ class WorkerMachine:
 
     def _may_take(self) -> bool:  # (hostile_tools.py patches it)
         # Not while a result that is in neither the ledger nor the supervisor's hands.
-        return not self.shutdown and bool(self.queue) and self.acked >= self.need_ack
+        return not self.shutdown and len(self.queue) > 0 and self.acked >= self.need_ack
 
     # Events.
 

@@ -116,6 +116,7 @@ RUSAGE_SELF, RUSAGE_CHILDREN = resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN
 _NONE_PACKED: tuple[bytes, tuple[bytes, ...]] = (_NIL, ())
 _RESULT: Final = ResultMessage.TYPE
 _monotonic: Final = time.monotonic
+_getrusage: Final = resource.getrusage
 
 #: This process's pid, read once and again in a child a fork makes (``os.register_at_fork``):
 #: a body's fork is noticed without a ``getpid`` per call.
@@ -345,7 +346,7 @@ class _Server:
                 self.started_at = _monotonic()
                 try:
                     try:
-                        returned = body(**args)
+                        returned = body(**args) if args else body()  # (no mapping to copy)
                     except StopIteration as raised:  # (as _call_sync_body has it)
                         raise RuntimeError("coroutine raised StopIteration") from raised
                     finally:
@@ -372,15 +373,19 @@ class _Server:
         # since `before`), the high-water mark of resident memory (the worker's, or its
         # largest reaped child's), when its body was invoked, its captured output; the CPU
         # reading now (_usage's) is the next call's start.
-        own = resource.getrusage(RUSAGE_SELF)
-        kids = resource.getrusage(RUSAGE_CHILDREN)
-        now = self._usage = (own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime)
-        extras: dict[str, Any] = {
-            "cpu_time": (now[0] - before[0]) + (now[1] - before[1]),
-            "max_rss": max(own.ru_maxrss, kids.ru_maxrss) * 1024,
-        }
+        # (A struct_rusage's fields by index, 0 to 2: ru_utime, ru_stime, ru_maxrss; read by
+        # name, each goes through a descriptor.)
+        own = _getrusage(RUSAGE_SELF)
+        kids = _getrusage(RUSAGE_CHILDREN)
+        own_cpu, kids_cpu = own[0] + own[1], kids[0] + kids[1]
+        self._usage = (own_cpu, kids_cpu)
+        cpu_time = (own_cpu - before[0]) + (kids_cpu - before[1])
+        max_rss = (own[2] if own[2] >= kids[2] else kids[2]) * 1024  # (max's, with no call)
+        extras: dict[str, Any]
         if self.started_at:
-            extras["started_at"] = self.started_at
+            extras = {"cpu_time": cpu_time, "max_rss": max_rss, "started_at": self.started_at}
+        else:
+            extras = {"cpu_time": cpu_time, "max_rss": max_rss}
         if self.capture is not None:
             extras["output"], extras["output_dropped"] = self.capture.collect(call_id)
         # Its leftovers counted (one wait call, if it has no child).
@@ -590,7 +595,7 @@ class _Server:
                 (frames,) = action
                 if len(frames) == 1:
                     frame = frames[0]
-                    self.sock.send(frame, 0, copy=len(frame) < 65536)
+                    self.sock.send(frame, 0, len(frame) < 65536)  # (copy, by position)
                 else:  # one message, one frame a result: one wake-up of each side's zmq thread
                     self.sock.send_multipart(frames, 0, copy=True)
             elif type(action) is SpillParts:
@@ -702,8 +707,8 @@ def _children() -> list[int]:
 
 def _usage() -> tuple[float, float]:
     """CPU seconds used so far by this process and its reaped children."""
-    own = resource.getrusage(RUSAGE_SELF)
-    kids = resource.getrusage(RUSAGE_CHILDREN)
+    own = _getrusage(RUSAGE_SELF)
+    kids = _getrusage(RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
 
 
@@ -714,6 +719,7 @@ _libc = ctypes.PyDLL(None, use_errno=True)
 _waitid = _libc.waitid
 _siginfo = ctypes.create_string_buffer(128)  # a siginfo_t (128 bytes), never read
 _ANY_CHILD = (int(os.P_ALL), 0, _siginfo, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+_get_errno, _ECHILD = ctypes.get_errno, errno.ECHILD
 
 
 def _has_children() -> bool:
@@ -721,7 +727,7 @@ def _has_children() -> bool:
     as it is: WNOWAIT)."""
     if _waitid(*_ANY_CHILD) == 0:
         return True
-    err = ctypes.get_errno()
-    if err == errno.ECHILD:
+    err = _get_errno()
+    if err == _ECHILD:
         return False
     raise OSError(err, os.strerror(err))  # (as os.waitid would raise it)
