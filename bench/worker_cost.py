@@ -9,6 +9,10 @@ supervisor, no zmq I/O thread), so what is measured is only toolpool's worker-si
     N=2000 REPS=1 FAKE=1 valgrind --tool=callgrind python bench/worker_cost.py
     N=6000 REPS=1 FAKE=1 valgrind --tool=callgrind python bench/worker_cost.py
     # the fake supervisor's own share of that (FAKE=1: its side of each call, no worker)
+    N=2000 REPS=1 FAKE=base valgrind --tool=callgrind python bench/worker_cost.py
+    N=6000 REPS=1 FAKE=base valgrind --tool=callgrind python bench/worker_cost.py
+    # FAKE=1's loop with C stand-ins: its call sites, which a real run counts as the worker's
+    # (the fake's callees alone: FAKE=1 - FAKE=base)
 
 The calls are sequential (one in the worker at a time, as with ``prefetch=0``), to a plain
 sync tool (``toolpool.testing.examples:registry``, ``noop``), with a ledger (anonymous shared
@@ -138,12 +142,29 @@ def run(n: int) -> float:
     return elapsed
 
 
-def run_fake(n: int) -> float:
+class _StandIn:
+    """The calls of :func:`run_fake`'s loop answered by C builtins that do next to nothing
+    (``FAKE=base``): what the loop and its call sites cost, which in a real run are the
+    worker's own (its calls of the socket's methods)."""
+
+    get = recv = getsockopt = staticmethod(abs)
+    send = staticmethod(slice)  # (three positional arguments)
+
+    def check(self, *, in_order: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def run_fake(n: int, *, base: bool = False) -> float:
     """The fake supervisor's side of ``n`` calls alone, as the worker's server asks for it
     (its calls made, its events read twice, a call received, a result sent, the results
     checked), with no worker; return the CPU seconds it took. What the measure above counts
-    that is not the worker's."""
-    fake = FakeSupervisor(n)
+    that is not the worker's, and a little more: the loop's own call sites (``base``: the
+    same loop with C stand-ins, whose cost is those call sites, the worker's own in a real
+    run)."""
+    fake: FakeSupervisor | _StandIn = _StandIn() if base else FakeSupervisor(n)
     frame = encode(
         ResultMessage(
             1,
@@ -164,7 +185,7 @@ def run_fake(n: int) -> float:
         fake.recv(0)
         fake.getsockopt(more)
         fake.get(events)
-        fake.send(frame, 0, copy=True)
+        fake.send(frame, 0, True)  # (copy, by position: as the worker calls it)
     elapsed = time.process_time() - t0
     fake.check(in_order=False)  # (one frame sent n times: its call id is 1)
     fake.close()
@@ -172,10 +193,12 @@ def run_fake(n: int) -> float:
 
 
 def main() -> None:
-    if os.environ.get("FAKE") == "1":
-        n = int(os.environ.get("N", "20000"))
-        runs = [run_fake(n) / n * 1e6 for _ in range(int(os.environ.get("REPS", "7")))]
-        print(f"fake supervisor CPU per call, alone: {min(runs):.1f} us (best of {len(runs)})")
+    if os.environ.get("FAKE") in ("1", "base"):
+        n, base = int(os.environ.get("N", "20000")), os.environ.get("FAKE") == "base"
+        reps = int(os.environ.get("REPS", "7"))
+        runs = [run_fake(n, base=base) / n * 1e6 for _ in range(reps)]
+        what = "its loop with C stand-ins" if base else "fake supervisor CPU per call, alone"
+        print(f"{what}: {min(runs):.1f} us (best of {len(runs)})")
         return
     if os.environ.get("CONTROL") != "1":
         _server.start_thread_blocking_signals = _no_control  # type: ignore[assignment]
