@@ -333,9 +333,17 @@ class _Server:
             args = bad  # the registry turns a non-mapping into an ordinary `error`
         tool = msg.tool
         body = self.registry._lean_body(tool, args)
+        result: ToolResult | None = None  # (none made for a lean call's value)
+        # (What its result message says: from `result`, or, for a lean call's value, here.)
+        outcome: str
+        value: bytes | None
+        parts: Sequence[bytes]
+        error: str | None
+        error_name: str | None
+        started: bool
+        context: dict[str, Any]
         if body is None:
             result = self._run_staged(msg, args)
-            outcome, value, parts, error, error_name, started, context = _of_result(result)
         else:
             exc: BaseException | None = None
             returned: Any = None
@@ -368,7 +376,6 @@ class _Server:
                 result = _lean_result(
                     tool, str(call_id), cause, started=invoke, exc=exc, value=returned
                 )
-                outcome, value, parts, error, error_name, started, context = _of_result(result)
         # The call is over: its CPU time (the worker's threads and children reaped meanwhile,
         # since `before`), the high-water mark of resident memory (the worker's, or its
         # largest reaped child's), when its body was invoked, its captured output; the CPU
@@ -386,6 +393,8 @@ class _Server:
             extras = {"cpu_time": cpu_time, "max_rss": max_rss, "started_at": self.started_at}
         else:
             extras = {"cpu_time": cpu_time, "max_rss": max_rss}
+        if result is not None:  # (its value packed after the reading, as it always was)
+            outcome, value, parts, error, error_name, started, context = _of_result(result)
         if self.capture is not None:
             extras["output"], extras["output_dropped"] = self.capture.collect(call_id)
         # Its leftovers counted (one wait call, if it has no child).
