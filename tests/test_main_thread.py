@@ -419,14 +419,15 @@ def _served(tool: str, args: dict[Any, Any], when: str, monkeypatch: pytest.Monk
             server._perform([FireCancel(1, "user")])
         server._fire_cancels()
 
-    begin = server._begin
+    lean_body = plain._lean_body
 
-    def begin_cancelled() -> Any:
+    def cancelled_lean_body(name: str, args: Any) -> Any:
+        # (The call is taken up, its body not yet invoked, whichever path it takes.)
         cancel()
-        return begin()
+        return lean_body(name, args)
 
     if when == "before":
-        monkeypatch.setattr(server, "_begin", begin_cancelled)
+        monkeypatch.setattr(plain, "_lean_body", cancelled_lean_body)
     monkeypatch.setattr(sys.modules[__name__], "_cancel_own_call", cancel)
     try:
         server.serve()

@@ -34,6 +34,7 @@ from toolpool.protocol import (
     encode_call,
     new_result,
     pack_value,
+    result_array_encoder,
     result_encoder,
     unpack_args,
     unpack_value,
@@ -246,6 +247,12 @@ def test_the_workers_result_encoder_is_byte_for_byte_encode(
     with pytest.raises(TypeError):  # (and after a failure too)
         encode_result(new_result(*fields, leftovers, {"x": object()}))
     assert encode_result(made) == encode(made)
+    # And of its array, with no message made (the worker's machine, every call).
+    encode_array = result_array_encoder()
+    assert encode_array((Result.TYPE, *fields, leftovers, extras)) == encode(made)
+    with pytest.raises(TypeError):
+        encode_array((Result.TYPE, *fields, leftovers, {"x": object()}))
+    assert encode_array((Result.TYPE, *fields, leftovers, extras)) == encode(made)
 
 
 def _decoded(unpack: Any, data: bytes, max_len: int) -> Any:
@@ -836,3 +843,46 @@ def test_a_results_spill_is_checked(spill: Any, why: str) -> None:
     bad = result_frame(extras={"spill": spill})
     with pytest.raises(ProtocolViolation, match=why):
         decode_from_worker(bad, max_len=1024)
+
+
+@given(
+    call_id=st.integers(0, 2**53),
+    slot=st.integers(0, 31),
+    seq=st.integers(1, 2**32),
+    frame=st.binary(max_size=300),
+)
+@settings(max_examples=60, deadline=None)
+def test_the_ledgers_words_write_what_its_write_functions_write(
+    call_id: int, slot: int, seq: int, frame: bytes
+) -> None:
+    # (The worker writes its marks and slots by words, once a call: the same bytes.)
+    from toolpool.protocol._ledger import (
+        INVOKED_WORD,
+        LEDGER_SIZE,
+        TAKEN_WORD,
+        _Words,
+        read_ledger,
+        slot_words,
+        words,
+        write_invoked,
+        write_slot,
+        write_taken,
+    )
+
+    by_functions = bytearray(b"\xff" * LEDGER_SIZE)
+    write_invoked(by_functions, call_id + 7)
+    write_taken(by_functions, call_id)
+    write_slot(by_functions, slot, seq, frame)
+    for make in (words, _Words):  # (this machine's words, and a big-endian machine's)
+        buf = bytearray(b"\xff" * LEDGER_SIZE)
+        view = make(buf)
+        view[INVOKED_WORD] = call_id + 7 + 1
+        view[TAKEN_WORD] = call_id + 1
+        view[INVOKED_WORD] = 0
+        seq_word, length_word, at = slot_words(slot)
+        buf[at : at + len(frame)] = frame
+        view[length_word] = len(frame)
+        view[seq_word] = seq
+        view.release()
+        assert buf == by_functions
+    assert read_ledger(bytes(by_functions))[:2] == (call_id + 1, 0)

@@ -53,7 +53,7 @@ def make_then_die_unsent(seed: int, size: int) -> bytes:
     from toolpool.worker._main import _Server
 
     (server,) = [obj for obj in gc.get_objects() if isinstance(obj, _Server)]
-    conclude = server.machine.conclude
+    conclude = server.machine.conclude_array  # (what the server calls: a result as its array)
     perform = server._perform
     concluded = []
 
@@ -68,6 +68,6 @@ def make_then_die_unsent(seed: int, size: int) -> bytes:
         perform([a for a in actions if not isinstance(a, SendFrames)])
         os.kill(os.getpid(), signal.SIGKILL)
 
-    server.machine.conclude = conclude_marked  # type: ignore[method-assign]
+    server.machine.conclude_array = conclude_marked  # type: ignore[method-assign]
     server._perform = perform_unsent  # type: ignore[method-assign]
     return pattern(seed, size)

@@ -20,7 +20,8 @@ reads like any frame from a worker: the file is the worker's to scribble on.
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, Final
+import sys
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     import mmap
@@ -32,9 +33,13 @@ __all__ = (
     "SLOTS",
     "SLOT_PAYLOAD",
     "SPILL_AT",
+    "INVOKED_WORD",
+    "TAKEN_WORD",
     "read_ledger",
     "read_marks",
+    "slot_words",
     "spill_size",
+    "words",
     "write_invoked",
     "write_parts",
     "write_slot",
@@ -88,6 +93,45 @@ def write_slot(buf: mmap.mmap | bytearray, slot: int, seq: int, frame: bytes) ->
     buf[at + 16 : at + 16 + len(frame)] = frame
     _U64.pack_into(buf, at + 8, len(frame))
     _U64.pack_into(buf, at, seq)
+
+
+#: The marks as words of :func:`words`: 1 + the id of the call taken up, of the call invoked.
+TAKEN_WORD: Final = 0
+INVOKED_WORD: Final = 1
+
+
+class _Words:
+    """:func:`words` on a big-endian machine: each word packed little-endian."""
+
+    def __init__(self, buf: WriteableBuffer) -> None:
+        self.buf = buf
+
+    def __setitem__(self, index: int, value: int) -> None:
+        _U64.pack_into(self.buf, index * 8, value)
+
+    def release(self) -> None:
+        pass
+
+
+def words(buf: mmap.mmap | bytearray) -> Any:
+    """The ledger ``buf`` as little-endian u64 words, for the worker's writes, once a call
+    each (what :func:`write_taken`, :func:`write_invoked` and :func:`write_slot` write, the
+    same bytes in the same order): a word is written by an item assignment,
+    ``view[INVOKED_WORD] = call_id + 1``, a store into the mapping, without a struct call or a
+    Python frame (a third of their cost). The view exports ``buf``: ``release()`` it before
+    ``buf`` is closed."""
+    if sys.byteorder == "little":
+        return memoryview(buf).cast("Q")
+    return _Words(buf)
+
+
+def slot_words(slot: int) -> tuple[int, int, int]:
+    """Where :func:`write_slot` writes in ``slot``, for :func:`words`: the index of its
+    sequence number's word, that of its length's, and the offset of its frame. Write the
+    frame, then the length, then the sequence number (last: a worker killed half-way leaves
+    the slot's old, already received, number)."""
+    at = SLOTS_AT + slot * SLOT_SIZE
+    return at // 8, at // 8 + 1, at + 16
 
 
 def read_marks(data: bytes) -> tuple[int, int] | None:

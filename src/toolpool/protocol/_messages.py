@@ -24,13 +24,15 @@ from ._checks import binary as _bin
 from ._checks import int_id as _int_id
 from ._checks import text as _text
 from ._values import (
+    _SMALL,
     _UNPACKERS,
     DEFAULT_MAX_FRAME,
     MAX_PARTS,
     PART_EXT,
     PART_MIN,
     _undecodable,
-    _unpack_small,
+    _unpack,
+    _unpackb,
     _unpacker,
     check_spill,
     pack_parts,
@@ -60,6 +62,7 @@ __all__ = (
     "ProgressMessage",
     "ProtocolViolation",
     "Recall",
+    "ResultArray",
     "ResultMessage",
     "Resume",
     "Shutdown",
@@ -77,6 +80,7 @@ __all__ = (
     "pack_parts",
     "pack_value",
     "result_encoder",
+    "result_array_encoder",
     "unpack_args",
     "unpack_value",
 )
@@ -391,6 +395,23 @@ def result_encoder() -> Callable[[ResultMessage], bytes]:
     return encode_result
 
 
+#: A result's frame as the array it packs to: ``ResultMessage.TYPE`` ("result"), then the
+#: message's nine fields in order (call_id, outcome, value, error, error_name, body_started,
+#: context, leftovers, extras).
+ResultArray: TypeAlias = tuple[
+    str, int, str, bytes | None, str | None, str | None, bool, dict[str, Any], int, dict[str, Any]
+]
+
+
+def result_array_encoder() -> Callable[[ResultArray], bytes]:
+    """An encoder of a result's array (:data:`ResultArray`): the frame of
+    ``ResultMessage(*array[1:])``, byte for byte what :func:`encode` makes of it, with no
+    message made and no Python frame (a packer's own ``pack``, of its own: a tuple packs as
+    the list ``encode`` packs), for one thread at a time. The worker's machine's, for every
+    call's result: a message costs as much as its frame's pack."""
+    return msgpack.Packer(use_bin_type=True).pack
+
+
 def _amount(value: Any, what: str) -> float:
     """A progress amount: a finite, non-negative float (an int is accepted as one)."""
     if type(value) is int and 0 <= value <= _MAX_ID:
@@ -606,7 +627,14 @@ def decode_from_worker(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> Wor
 
 def decode_from_supervisor(frame: bytes, *, max_len: int = DEFAULT_MAX_FRAME) -> SupervisorMessage:
     """Decode one frame the supervisor sent (the worker validates it too)."""
-    data = _unpack_small(frame, max_len)
+    size = len(frame)  # (_unpack_small, inline: once a call)
+    if size > _SMALL or size > max_len:
+        data = _unpack(frame, max_len)
+    else:
+        try:
+            data = _unpackb(frame, max_ext_len=0)
+        except Exception as exc:
+            raise _undecodable(exc) from None
     # A call without parts, the most frequent frame, checked inline: what the general path
     # below checks (anything unusual goes that way, to fail there with its reason).
     if type(data) is list and len(data) == 5 and data[0] == "call":

@@ -278,7 +278,13 @@ def unpack_args(data: bytes, max_len: int, parts: Sequence[bytes] = ()) -> Any:
     for small ones without parts (:func:`_unpack_small`)."""
     if parts:
         return unpack_value(data, max_len, parts)
-    return _unpack_small(data, max_len)
+    size = len(data)  # (_unpack_small, inline: once a call)
+    if size > _SMALL or size > max_len:
+        return _unpack(data, max_len)
+    try:
+        return _unpackb(data, max_ext_len=0)
+    except Exception as exc:
+        raise _undecodable(exc) from None
 
 
 def check_spill(spill: Any, max_len: int, frame_len: int = 0) -> tuple[int, list[int]]:

@@ -17,8 +17,9 @@ The simulation (``tests/sim_world.py``) drives this same machine for its modelle
 The worker is in one of three phases (``PHASE_MOVES``): ``idle`` (no call taken up), ``running``
 (a call taken up: its body runs, or is about to), ``held`` (the last call left processes
 behind: nothing is taken up until ``resume``). It moves only through :meth:`advance`, which
-raises :class:`IllegalPhaseMove` on a move the table does not have; :meth:`check` asserts the
-invariants between its fields.
+raises :class:`IllegalPhaseMove` on a move the table does not have (``next`` and ``conclude``,
+once a call each, make theirs inline: IDLE -> RUNNING, RUNNING -> IDLE, in the table, a test
+says); :meth:`check` asserts the invariants between its fields.
 """
 
 from __future__ import annotations
@@ -42,13 +43,16 @@ from ..protocol import (
     Pong,
     ProgressMessage,
     Recall,
+    ResultArray,
     ResultMessage,
     Resume,
     Shutdown,
     StartedMessage,
     Withdrawn,
     encode,
+    new_result,
     pack_value,
+    result_array_encoder,
     result_encoder,
     unpack_value,
 )
@@ -207,6 +211,7 @@ class WorkerMachine:
         # A result's frame (as ``encode`` makes it, in one pack, with a packer of its own:
         # the machine is used by one thread at a time).
         self._encode_result = result_encoder()
+        self._encode_array = result_array_encoder()
 
     # The table.
 
@@ -250,13 +255,13 @@ class WorkerMachine:
 
     def _may_take(self) -> bool:  # (hostile_tools.py patches it)
         # Not while a result that is in neither the ledger nor the supervisor's hands.
-        return not self.shutdown and bool(self.queue) and self.acked >= self.need_ack
+        return not self.shutdown and len(self.queue) > 0 and self.acked >= self.need_ack
 
     # Events.
 
     def receive(self, msg: Any) -> Sequence[WorkerAction]:
         """A message from the supervisor (decoded, checked)."""
-        if isinstance(msg, CallMessage):
+        if type(msg) is CallMessage or isinstance(msg, CallMessage):  # (the first: cheaper)
             if msg.acked > self.acked:
                 self.acked = msg.acked
             self.queue.append(msg)  # taken up in order
@@ -293,7 +298,7 @@ class WorkerMachine:
             # nothing is taken up now: what was held back goes at once.
             return self.flush()
         msg = self.queue.popleft()
-        self.advance(_RUNNING)
+        self.phase = _RUNNING  # (advance's move, inline: IDLE -> RUNNING, in the table)
         self.current = msg.call_id
         return (_new(RunCall, (msg, self.ledger)),)
 
@@ -321,23 +326,54 @@ class WorkerMachine:
         ``extras`` changed in place): keep it in a ledger slot if one is free and it fits,
         and send it, or hold it back while another call is queued. ``parts``: those of its
         packed value (``protocol.pack_parts``), kept in the spill where there is room."""
-        call_id = reply.call_id
+        array: ResultArray = (
+            reply.TYPE,
+            reply.call_id,
+            reply.outcome,
+            reply.value,
+            reply.error,
+            reply.error_name,
+            reply.body_started,
+            reply.context,
+            reply.leftovers,
+            reply.extras,
+        )
+        return self.conclude_array(array, parts)
+
+    def conclude_array(
+        self, array: ResultArray, parts: Sequence[bytes] = ()
+    ) -> Sequence[WorkerAction]:
+        """:meth:`conclude` of ``ResultMessage(*array[1:])``, given as the array its frame
+        packs to (``protocol.ResultArray``), with no message made unless a rare path needs one
+        (parts, a frame too large): the shell's, once a call (a message costs as much as its
+        frame's pack)."""
+        _, call_id, _, value, _, _, _, _, leftovers, extras = array
         if self.current != call_id:
             raise IllegalPhaseMove(f"worker: concluded call {call_id}, not {self.current}")
         # Left processes behind: take up nothing more until the supervisor killed them.
-        held = reply.leftovers > 0 and not self.allow_background
-        self.advance(_HELD if held else _IDLE)
+        held = leftovers > 0 and not self.allow_background
+        if held:
+            self.advance(_HELD)
+        else:  # (advance's move, inline: RUNNING -> IDLE, in the table; once a call)
+            self.phase = _IDLE
         self.current = None
         self.progress = None  # the result says the rest: a report not sent yet is dropped
         self.progress_new = False
-        extras = reply.extras
         # A value too large for a ledger slot however it is framed is not kept (nor framed
         # twice to find out).
-        value = reply.value
-        slot = None if value is not None and len(value) > SLOT_PAYLOAD else self._free_slot()
+        slot = None
+        if self.ledger and (value is None or len(value) <= SLOT_PAYLOAD):
+            # (_free_slot, inline: once a call.)
+            acked = self.acked
+            for i, seq in enumerate(self.slots):
+                if seq <= acked:
+                    slot = i
+                    break
         results = self.results = self.results + 1
         spill_at = None
+        reply: ResultMessage | None = None  # (made where a rare path needs it)
         if parts:
+            reply = new_result(*array[1:])
             need = sum(len(p) for p in parts)
             if slot is not None and len(reply.value or b"") + need <= self.max_frame - 1024:
                 spill_at = self._spill_room(need)
@@ -359,10 +395,12 @@ class WorkerMachine:
                 self.spilled.append((results, spill_at, spill_at + need))
         extras["kept"] = slot is not None
         encode_result = self._encode_result
-        frame = encode_result(reply)
+        frame = self._encode_array(array) if reply is None else encode_result(reply)
         if len(frame) > self.max_frame:
             # The supervisor would drop the connection over it, and the worker with it: what
             # does not fit is left out, and said (the worker goes on serving).
+            if reply is None:
+                reply = new_result(*array[1:])
             reply = within(reply, len(frame), self.max_frame)
             frame = encode_result(reply)
         out: list[WorkerAction] = []
@@ -377,7 +415,7 @@ class WorkerMachine:
         else:
             if slot is not None:  # too large to keep after all: say so
                 extras["kept"] = False
-                frame = encode_result(reply)
+                frame = self._encode_array(array) if reply is None else encode_result(reply)
             self.need_ack = results
         if kept and self.queue and not held and not self.shutdown and len(self.pending) < HOLD_BACK:
             # Another call is queued: send this result with the next ones, in one go (one

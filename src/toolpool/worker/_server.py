@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
 import os
 import resource
 import select
@@ -46,7 +48,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import zmq
 
@@ -54,19 +56,27 @@ from ..core import CancelCause, CancelController, cancel_with_runtime_cause
 from ..protocol import (
     CallMessage,
     ProtocolViolation,
+    ResultArray,
     ResultMessage,
     decode_from_supervisor,
     decode_supervisor_frames,
-    new_result,
     pack_parts,
     pack_value,
     unpack_args,
     unpack_value,
 )
-from ..protocol._ledger import LEDGER_SIZE, write_invoked, write_parts, write_slot, write_taken
+from ..protocol._ledger import (
+    INVOKED_WORD,
+    LEDGER_SIZE,
+    SLOTS,
+    TAKEN_WORD,
+    slot_words,
+    words,
+    write_parts,
+)
 from ..sandbox._cgroups import others_listed
 from ..sandbox._linux import child_pids, reap_zombies
-from ._call import DecodedArgs, _lean_result, _lean_value
+from ._call import _NIL, DecodedArgs, _lean_result, _lean_value
 from ._helpers import helpers
 from ._machine import (
     FireCancel,
@@ -97,7 +107,16 @@ TICK = 0.002
 IDLE_AFTER = 0.05
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_NOBLOCK, _RCVMORE, _AGAIN = int(zmq.NOBLOCK), int(zmq.RCVMORE), zmq.Again
+#: (The server's attributes stay fewer than 30: past that an instance's dict is its own, and
+#: every attribute read on the hot path is a lookup.)
 RUSAGE_SELF, RUSAGE_CHILDREN = resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN
+
+#: What a lean call's body that returned None gives (:func:`_lean_value`'s).
+_NONE_PACKED: tuple[bytes, tuple[bytes, ...]] = (_NIL, ())
+_RESULT: Final = ResultMessage.TYPE
+_monotonic: Final = time.monotonic
+_getrusage: Final = resource.getrusage
 
 #: This process's pid, read once and again in a child a fork makes (``os.register_at_fork``):
 #: a body's fork is noticed without a ``getpid`` per call.
@@ -133,6 +152,10 @@ class _Server:
         self.specs = registry.tools
         self.max_frame = max_frame
         self.ledger = ledger
+        # Its marks and slots as words, written by a store each (``protocol._ledger.words``),
+        # and where each slot's sequence number, length and frame go.
+        self._words: Any = None if ledger is None else words(ledger)
+        self._slots = [slot_words(slot) for slot in range(SLOTS)]
         self.members = members
         self.pid = _pid[0]
         # The decisions: what each message and each call means (``_machine.py``).
@@ -164,12 +187,9 @@ class _Server:
         self._failure: BaseException | None = None
         self._wakeup = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._fd = fd_of(sock)
-        self._noblock = zmq.NOBLOCK
-        self._rcvmore = zmq.RCVMORE
         self._loop: asyncio.AbstractEventLoop | None = None  # for calls with stages, async
         # Liveness: a heartbeat every `heartbeat` seconds (0: none), sent by whichever thread
         # has the socket: the control thread while a call runs, the main thread otherwise.
-        self._again: type[Exception] = zmq.Again
         if heartbeat > 0:
             # The idle main thread's recv returns after a heartbeat interval of silence.
             sock.setsockopt(zmq.RCVTIMEO, max(1, int(heartbeat * 1000)))
@@ -181,102 +201,233 @@ class _Server:
 
     def serve(self) -> None:
         control = start_thread_blocking_signals(self._control, "toolpool control")
+        # One section under `mu` a call (a `with` costs twice an acquire and a release): what
+        # the last call concluded, the messages read, the next call taken up; and one clock
+        # read for them all (to the control thread, which waits for `mu`, they are one moment).
+        mu = self.mu
+        sock = self.sock
+        machine = self.machine
+        max_frame = self.max_frame
+        mu.acquire()
+        held = True
         try:
+            now = _monotonic()
             while True:
-                with self.mu:
-                    self._drain()
-                    if self._failure is not None:
-                        raise self._failure
-                    machine = self.machine
-                    if machine.shutdown and machine.done:  # (one attribute while serving)
-                        break
-                    if time.monotonic() >= machine.beat_due:  # (also in quick calls)
-                        self._perform(machine.beat(time.monotonic()))
-                    job = self._next()
-                if self._fire:
-                    self._fire_cancels()
-                if job is not None:
-                    self._run(job)
-                    continue
-                # Nothing to do until a message comes. No call runs, so the control thread
-                # keeps off the socket: wait in zmq itself (no edge of its fd to miss), at
-                # most a heartbeat interval (RCVTIMEO).
+                # (_drain, inline: once a call.) All parts of one message (the calls sent
+                # together): one check of the socket's events per message, not per frame.
+                while sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # (an int)
+                    frame = sock.recv(_NOBLOCK)
+                    if sock.getsockopt(_RCVMORE):  # (a call's parts follow it)
+                        self._handle_frames([frame, *self._recv_more()])
+                        continue
+                    try:  # (_handle_frames, inline, for a message of one frame)
+                        msg = decode_from_supervisor(frame, max_len=max_frame)
+                    except ProtocolViolation:
+                        traceback.print_exc()
+                        os._exit(EXIT_PROTOCOL)
+                    if type(msg) is CallMessage and msg.parts:  # its parts are missing:
+                        self._handle_frames([frame])  # (a violation: said, and the exit)
+                        continue
+                    out = machine.receive(msg)
+                    if out:
+                        self._perform(out)
+                if self._failure is not None:
+                    raise self._failure
+                if machine.shutdown and machine.done:  # (one attribute while serving)
+                    break
+                if now >= machine.beat_due:  # (also in quick calls)
+                    self._perform(machine.beat(now))
+                # The next queued call taken up, if it may be; if not, what was held back goes.
+                job = None
+                out = machine.next()
+                if out:
+                    run = out[-1]
+                    if type(run) is RunCall:
+                        job, mark = run
+                        call_id = job.call_id
+                        if mark:  # (the marks: this call taken up, none invoked)
+                            ledger = self._words
+                            ledger[TAKEN_WORD] = call_id + 1
+                            ledger[INVOKED_WORD] = 0
+                        self.current = (call_id, None)
+                        self.cause = None
+                        self.started_at = 0.0
+                        self.taken_at = self.active_at = now
+                        if not self.looking:
+                            self.looking = True
+                            self._wake()
+                    else:
+                        self._perform(out)
+                mu.release()
+                held = False
                 try:
-                    frames = self._recv(0)
-                except self._again:
-                    # A heartbeat interval without a call: the next call's CPU is read
-                    # afresh (what the worker's threads spent idle is not its).
-                    self._usage = None
+                    if self._fire:
+                        self._fire_cancels()
+                    if job is not None:
+                        reply, parts = self._run(job)
+                    else:
+                        # Nothing to do until a message comes. No call runs, so the control
+                        # thread keeps off the socket: wait in zmq itself (no edge of its fd
+                        # to miss), at most a heartbeat interval (RCVTIMEO).
+                        try:
+                            frames = self._recv(0)
+                        except _AGAIN:
+                            # A heartbeat interval without a call: the next call's CPU is
+                            # read afresh (what the worker's threads spent idle is not its).
+                            self._usage = None
+                            frames = []
+                finally:
+                    mu.acquire()
+                    held = True
+                now = _monotonic()
+                if job is None:
+                    if frames:
+                        self._handle_frames(frames)
                     continue
-                with self.mu:
-                    self._handle_frames(frames)
+                # The call is over. Its result is kept in the ledger and sent; or, while
+                # another call is queued, held back to go with the next ones in one go (one
+                # wake-up of each side's zmq thread for several), unless that call takes time
+                # (the control thread sends them then).
+                self.current = None
+                self.active_at = now
+                self._perform(machine.conclude_array(reply, parts))
+                if self.watching:
+                    self.watching = False
+                    # It waits on the socket with no timeout once it said 'started'.
+                    if machine.said_started == call_id:
+                        self._wake()
         finally:
-            with self.mu:
-                self.exiting = True
+            if not held:  # (an acquire that raised)
+                mu.acquire()
+            self.exiting = True
+            mu.release()
             self._wake()
             control.join(1.0)
             if self._loop is not None:
                 self._loop.close()
+            if self._words is not None:
+                self._words.release()  # (the ledger may be closed now)
 
-    def _run(self, msg: CallMessage) -> None:
+    def _run(self, msg: CallMessage) -> tuple[ResultArray, Sequence[bytes]]:
+        """Without the lock: run the call taken up; its result (as the machine frames it:
+        ``conclude_array``) and the parts of its value (the machine puts them in the
+        ledger's spill).
+
+        Most calls run lean (``Registry._lean_body``): the body called here with the arguments
+        as they came, with no controller (a cancel received is read from `cause` before the
+        body is invoked and after it returns, as ``_invoke_plain`` reads its signal), and no
+        result object unless it did not return a value it could pack."""
         call_id = msg.call_id
-        before = self._begin()
-        args = self._args(msg)
-        body = self.registry._lean_body(msg.tool, args)
-        if body is not None:
-            reply, parts = self._run_lean(call_id, msg.tool, body, args, before)
-        else:
+        # The call's start: its CPU reading is the last call's end (one reading a call), if
+        # this call came within a heartbeat interval of it, and the worker had no child then
+        # (else those the supervisor killed since are reaped, and the reading is afresh).
+        before = self._usage
+        if self._had_children or before is None:
+            reap_zombies()  # leftovers the supervisor killed between calls
+            before = _usage()
+        if self.capture is not None:
+            self.capture.begin()
+        try:
+            args = unpack_args(msg.args, self.max_frame, msg.data)
+        except ValueError as bad:
+            args = bad  # the registry turns a non-mapping into an ordinary `error`
+        tool = msg.tool
+        body = self.registry._lean_body(tool, args)
+        result: ToolResult | None = None  # (none made for a lean call's value)
+        # (What its result message says: from `result`, or, for a lean call's value, here.)
+        outcome: str
+        value: bytes | None
+        parts: Sequence[bytes]
+        error: str | None
+        error_name: str | None
+        started: bool
+        context: dict[str, Any]
+        if body is None:
             result = self._run_staged(msg, args)
-            reply, parts = self._reply(call_id, result, self._extras(before))
-        with self.mu:
-            # Kept in the ledger and sent; or, while another call is queued, held back to go
-            # with the next ones in one go (one wake-up of each side's zmq thread for several),
-            # unless that call takes time (the control thread sends them then).
-            self.current = None
-            self.active_at = time.monotonic()
-            self._perform(self.machine.conclude(reply, parts))
-            # The control thread waits on the socket with no timeout once it said 'started'.
-            wake = self.watching and self.machine.said_started == call_id
-            self.watching = False
-        if wake:
-            self._wake()
-
-    def _run_lean(
-        self,
-        call_id: int,
-        tool: str,
-        body: Callable[..., Any],
-        args: dict[str, Any],
-        before: tuple[float, float],
-    ) -> tuple[ResultMessage, Sequence[bytes]]:
-        """A call that runs lean (``Registry._lean_body``): its body called here with its
-        arguments as they came, with no controller (a cancel received is read from `cause`
-        before the body is invoked and after it returns, as ``_invoke_plain`` reads its
-        signal), and no result object unless it did not return a value it could pack."""
-        exc: BaseException | None = None
-        value: Any = None
-        started = self.cause is None
-        if started:
-            if self.ledger is not None:  # (the machine's MarkInvoked, without its lock)
-                write_invoked(self.ledger, call_id)
-            self.started_at = time.monotonic()
-            try:
+        else:
+            exc: BaseException | None = None
+            returned: Any = None
+            invoke = self.cause is None
+            if invoke:
+                if self._words is not None:  # (the machine's MarkInvoked, without its lock)
+                    self._words[INVOKED_WORD] = call_id + 1
+                self.started_at = _monotonic()
                 try:
-                    value = body(**args)
-                except StopIteration as raised:  # (as _call_sync_body has it)
-                    raise RuntimeError("coroutine raised StopIteration") from raised
-                finally:
-                    if _pid[0] != self.pid:
-                        os._exit(0)  # (a leftover of the call: see _call_sync)
-            except BaseException as caught:  # a result, like any failure of a body (C2.6)
-                exc = caught
-        cause = self.cause
-        packed = _lean_value(value) if exc is None and cause is None else None
-        if packed is None:
-            result = _lean_result(tool, str(call_id), cause, started=started, exc=exc, value=value)
-            return self._reply(call_id, result, self._extras(before))
-        return self._message(
-            call_id, "ok", packed[0], packed[1], None, None, True, {}, self._extras(before)
+                    try:
+                        returned = body(**args) if args else body()  # (no mapping to copy)
+                    except StopIteration as raised:  # (as _call_sync_body has it)
+                        raise RuntimeError("coroutine raised StopIteration") from raised
+                    finally:
+                        if _pid[0] != self.pid:
+                            os._exit(0)  # (a leftover of the call: see _call_sync)
+                except BaseException as caught:  # a result, like any failure of a body (C2.6)
+                    exc = caught
+            cause = self.cause
+            packed = None
+            if exc is None and cause is None:
+                packed = _NONE_PACKED if returned is None else _lean_value(returned)
+            if packed is not None:
+                value, parts = packed
+                outcome = "ok"
+                error = error_name = None
+                started = True
+                context = {}
+            else:
+                result = _lean_result(
+                    tool, str(call_id), cause, started=invoke, exc=exc, value=returned
+                )
+        # The call is over: its CPU time (the worker's threads and children reaped meanwhile,
+        # since `before`), the high-water mark of resident memory (the worker's, or its
+        # largest reaped child's), when its body was invoked, its captured output; the CPU
+        # reading now (_usage's) is the next call's start.
+        # (A struct_rusage's fields by index, 0 to 2: ru_utime, ru_stime, ru_maxrss; read by
+        # name, each goes through a descriptor.)
+        own = _getrusage(RUSAGE_SELF)
+        kids = _getrusage(RUSAGE_CHILDREN)
+        own_cpu, kids_cpu = own[0] + own[1], kids[0] + kids[1]
+        self._usage = (own_cpu, kids_cpu)
+        cpu_time = (own_cpu - before[0]) + (kids_cpu - before[1])
+        max_rss = (own[2] if own[2] >= kids[2] else kids[2]) * 1024  # (max's, with no call)
+        extras: dict[str, Any]
+        if self.started_at:
+            extras = {"cpu_time": cpu_time, "max_rss": max_rss, "started_at": self.started_at}
+        else:
+            extras = {"cpu_time": cpu_time, "max_rss": max_rss}
+        if result is not None:  # (its value packed after the reading, as it always was)
+            outcome, value, parts, error, error_name, started, context = _of_result(result)
+        if self.capture is not None:
+            extras["output"], extras["output_dropped"] = self.capture.collect(call_id)
+        # Its leftovers counted (one wait call, if it has no child).
+        had = self._had_children = _has_children()
+        leftovers = 0
+        if had or self.members is not None:
+            kept = helpers()
+            if had:
+                leftovers = len(set(_children()) - kept)
+            if not leftovers and self.members is not None:
+                try:
+                    listed = os.pread(self.members, 1 << 16, 0)
+                    leftovers = others_listed(listed, self.pid)
+                    if kept and leftovers:
+                        leftovers = len({int(p) for p in listed.split()} - kept - {self.pid})
+                except OSError:
+                    leftovers = 0
+        if parts and self.ledger is None:  # no spill: the value goes inline
+            value, parts = pack_value(unpack_value(value or b"", self.max_frame, parts)), ()
+        return (
+            (
+                _RESULT,
+                call_id,
+                outcome,
+                value,
+                error,
+                error_name,
+                started,
+                context,
+                leftovers,
+                extras,
+            ),
+            parts,
         )
 
     def _run_staged(self, msg: CallMessage, args: Any) -> ToolResult:
@@ -361,27 +512,6 @@ class _Server:
             self._perform(out)
         return wait
 
-    def _next(self) -> CallMessage | None:
-        """With the lock, on the main thread: take up the next queued call, if it may be."""
-        out = self.machine.next()
-        if not out:
-            return None
-        run = out[-1]
-        if type(run) is not RunCall:  # not taken up: what was held back goes
-            self._perform(out)
-            return None
-        msg = run.msg
-        if run.mark:
-            write_taken(self.ledger, msg.call_id)  # type: ignore[arg-type]
-        self.current = (msg.call_id, None)
-        self.cause = None
-        self.started_at = 0.0
-        self.taken_at = self.active_at = time.monotonic()
-        if not self.looking:
-            self.looking = True
-            self._wake()
-        return msg
-
     def _invoked(self, call_id: int, is_async: bool) -> None:
         """The body is about to be invoked: the ledger says so first. ('started' is for the
         control thread to say, once started_at is set: so set it only after the mark, or a
@@ -389,13 +519,13 @@ class _Server:
         said 'started' at once, as it always was, under the lock (the control thread must not
         see it invoked and say it too)."""
         if not is_async:
-            if self.ledger is not None:  # (the machine's MarkInvoked, without its lock)
-                write_invoked(self.ledger, call_id)
-            self.started_at = time.monotonic()
+            if self._words is not None:  # (the machine's MarkInvoked, without its lock)
+                self._words[INVOKED_WORD] = call_id + 1
+            self.started_at = _monotonic()
             return
         with self.mu:
             self._perform(self.machine.invoked(call_id, True))
-            self.started_at = time.monotonic()
+            self.started_at = _monotonic()
             if self.watching:  # the send may have consumed the edge it waits on
                 self._wake()
 
@@ -406,7 +536,7 @@ class _Server:
         # (_transport.readable, inline: twice a call.) All parts of one message (the calls
         # sent together): one check of the socket's events per message, not per frame.
         while sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # (an int)
-            self._handle_frames(self._recv(self._noblock))
+            self._handle_frames(self._recv(_NOBLOCK))
 
     def _recv(self, flags: int) -> list[Any]:
         """One message: its first frame as bytes, the others as zmq frames, received without
@@ -414,8 +544,17 @@ class _Server:
         gets; a frame that is a message is decoded from the zmq frame itself)."""
         sock = self.sock
         frames: list[Any] = [sock.recv(flags)]
-        while sock.getsockopt(self._rcvmore):
+        while sock.getsockopt(_RCVMORE):
             frames.append(sock.recv(flags, copy=False))
+        return frames
+
+    def _recv_more(self) -> list[Any]:
+        """The other frames of a message whose first was received: zmq frames, without a copy
+        (as :meth:`_recv` receives them)."""
+        sock = self.sock
+        frames: list[Any] = [sock.recv(_NOBLOCK, copy=False)]
+        while sock.getsockopt(_RCVMORE):
+            frames.append(sock.recv(_NOBLOCK, copy=False))
         return frames
 
     def _handle_frames(self, frames: list[Any]) -> None:
@@ -453,22 +592,26 @@ class _Server:
         """With the lock: do what the machine asked, in order."""
         for action in actions:
             # (By type, the kinds every call asks for first: KeepResult, SendFrames.)
-            if type(action) is KeepResult:
-                assert self.ledger is not None
-                write_slot(self.ledger, action.slot, action.seq, action.frame)
+            # (Fields by unpacking: a NamedTuple's attribute is read through its descriptor.)
+            if type(action) is KeepResult:  # (protocol._ledger.write_slot, by its words)
+                slot, seq, frame = action
+                seq_word, length_word, at = self._slots[slot]
+                self.ledger[at : at + len(frame)] = frame  # type: ignore[index]
+                ledger = self._words
+                ledger[length_word] = len(frame)
+                ledger[seq_word] = seq
             elif type(action) is SendFrames:
-                frames = action.frames
+                (frames,) = action
                 if len(frames) == 1:
                     frame = frames[0]
-                    self.sock.send(frame, 0, copy=len(frame) < 65536)
+                    self.sock.send(frame, 0, len(frame) < 65536)  # (copy, by position)
                 else:  # one message, one frame a result: one wake-up of each side's zmq thread
                     self.sock.send_multipart(frames, 0, copy=True)
             elif type(action) is SpillParts:
                 assert self.ledger is not None
                 write_parts(self.ledger, action.at, action.parts)
             elif type(action) is MarkInvoked:
-                assert self.ledger is not None
-                write_invoked(self.ledger, action.call_id)
+                self._words[INVOKED_WORD] = action.call_id + 1
             elif type(action) is FireCancel:
                 current = self.current
                 if current is not None and current[0] == action.call_id:
@@ -517,7 +660,7 @@ class _Server:
         how long to wait (ms) before looking again (None: until woken or a message comes),
         and whether to wait on the socket too."""
         current = self.current
-        now = time.monotonic()
+        now = _monotonic()
         if current is None:
             if self.looking and now - self.active_at < IDLE_AFTER:
                 return int(TICK * 1000), False
@@ -544,97 +687,26 @@ class _Server:
             return (beat if report is None else report), True
         return min(beat, report), True
 
-    # What every call does.
 
-    def _begin(self) -> tuple[float, float]:
-        """The call's start: its CPU reading is the last call's end (one reading a call), if
-        this call came within a heartbeat interval of it, and the worker had no child then
-        (else those the supervisor killed since are reaped, and the reading is afresh)."""
-        usage = self._usage
-        if self._had_children or usage is None:
-            reap_zombies()  # leftovers the supervisor killed between calls
-            usage = _usage()
-        if self.capture is not None:
-            self.capture.begin()
-        return usage
-
-    def _args(self, msg: CallMessage) -> Any:
-        try:
-            return unpack_args(msg.args, self.max_frame, msg.data)
-        except ValueError as exc:
-            return exc  # the registry turns a non-mapping into an ordinary `error`
-
-    def _extras(self, before: tuple[float, float]) -> dict[str, Any]:
-        """The call's CPU time (the worker's threads and children reaped meanwhile, since
-        ``before``), the high-water mark of resident memory (the worker's, or its largest
-        reaped child's), when its body was invoked; and the reading now (:func:`_usage`'s),
-        the next call's start."""
-        own = resource.getrusage(RUSAGE_SELF)
-        kids = resource.getrusage(RUSAGE_CHILDREN)
-        now = self._usage = (own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime)
-        extras = {
-            "cpu_time": (now[0] - before[0]) + (now[1] - before[1]),
-            "max_rss": max(own.ru_maxrss, kids.ru_maxrss) * 1024,
-        }
-        if self.started_at:
-            extras["started_at"] = self.started_at
-        return extras
-
-    def _reply(
-        self, call_id: int, result: ToolResult, extras: dict[str, Any]
-    ) -> tuple[ResultMessage, Sequence[bytes]]:
-        """The call is over with ``result``: its :meth:`_message`."""
-        packed = result._packed_value
-        parts: Sequence[bytes] = result._packed_parts
-        if packed is None and result.value is not None:
-            packed, parts = pack_parts(result.value)
-        return self._message(
-            call_id,
-            result.outcome._value_,
-            packed,
-            parts,
-            result.error,
-            result.error_name,
-            result.body_started,
-            dict(result.context),
-            extras,
-        )
-
-    def _message(
-        self,
-        call_id: int,
-        outcome: str,
-        packed: bytes | None,
-        parts: Sequence[bytes],
-        error: str | None,
-        error_name: str | None,
-        started: bool,
-        context: dict[str, Any],
-        extras: dict[str, Any],
-    ) -> tuple[ResultMessage, Sequence[bytes]]:
-        """The call is over: its captured output; its leftovers counted (one wait call, if
-        it has no child); its result message (the machine keeps it in the ledger, and sends
-        it or holds it back) and the parts of its value (the machine puts them in the
-        ledger's spill)."""
-        if self.capture is not None:
-            extras["output"], extras["output_dropped"] = self.capture.collect(call_id)
-        self._had_children = _has_children()
-        kept = helpers() if self._had_children or self.members is not None else frozenset()
-        leftovers = len(set(_children()) - kept) if self._had_children else 0
-        if not leftovers and self.members is not None:
-            try:
-                listed = os.pread(self.members, 1 << 16, 0)
-                leftovers = others_listed(listed, self.pid)
-                if kept and leftovers:
-                    leftovers = len({int(p) for p in listed.split()} - kept - {self.pid})
-            except OSError:
-                leftovers = 0
-        if parts and self.ledger is None:  # no spill: the value goes inline
-            packed, parts = pack_value(unpack_value(packed or b"", self.max_frame, parts)), ()
-        reply = new_result(
-            call_id, outcome, packed, error, error_name, started, context, leftovers, extras
-        )
-        return reply, parts
+def _of_result(
+    result: ToolResult,
+) -> tuple[str, bytes | None, Sequence[bytes], str | None, str | None, bool, dict[str, Any]]:
+    """What a call's result message says of its ``result``: its outcome, its packed value
+    and that value's parts, its error and the error's name, whether its body started, its
+    context."""
+    packed = result._packed_value
+    parts: Sequence[bytes] = result._packed_parts
+    if packed is None and result.value is not None:
+        packed, parts = pack_parts(result.value)
+    return (
+        result.outcome._value_,
+        packed,
+        parts,
+        result.error,
+        result.error_name,
+        result.body_started,
+        dict(result.context),
+    )
 
 
 def _children() -> list[int]:
@@ -644,15 +716,27 @@ def _children() -> list[int]:
 
 def _usage() -> tuple[float, float]:
     """CPU seconds used so far by this process and its reaped children."""
-    own = resource.getrusage(RUSAGE_SELF)
-    kids = resource.getrusage(RUSAGE_CHILDREN)
+    own = _getrusage(RUSAGE_SELF)
+    kids = _getrusage(RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
 
 
+#: waitid(2) from libc, called with the GIL held (it does not block: WNOHANG) and errno kept:
+#: what ``os.waitid`` does, without the ``ChildProcessError`` it raises when there is no
+#: child, which costs twice the system call (every call asks; most have no child).
+_libc = ctypes.PyDLL(None, use_errno=True)
+_waitid = _libc.waitid
+_siginfo = ctypes.create_string_buffer(128)  # a siginfo_t (128 bytes), never read
+_ANY_CHILD = (int(os.P_ALL), 0, _siginfo, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+_get_errno, _ECHILD = ctypes.get_errno, errno.ECHILD
+
+
 def _has_children() -> bool:
-    """Whether this process has any child, alive or zombie: one syscall."""
-    try:
-        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
+    """Whether this process has any child, alive or zombie: one syscall (a zombie is left
+    as it is: WNOWAIT)."""
+    if _waitid(*_ANY_CHILD) == 0:
+        return True
+    err = _get_errno()
+    if err == _ECHILD:
         return False
-    return True
+    raise OSError(err, os.strerror(err))  # (as os.waitid would raise it)
