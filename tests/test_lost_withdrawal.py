@@ -58,7 +58,8 @@ def test_a_cancelled_call_withdrawn_before_a_crash_settles_as_never_started() ->
     assert b._result.body_started is False
     assert b._result.timeline.cancel_delivered is None  # (never acknowledged: not said)
     assert c._result.outcome is Outcome.WORKER_LOST, c._result
-    assert c._result.body_started is True
+    # Its 'invoked' mark may be a tool's of a call before it: only its 'started' says.
+    assert c._result.body_started is None
 
 
 @pytest.mark.timeout(30)
@@ -106,3 +107,49 @@ def test_a_recalled_call_withdrawn_before_a_crash_runs_elsewhere_and_not_a_third
     assert b._result is not None
     assert b._result.outcome is Outcome.WORKER_LOST
     assert b._result.body_started is None
+
+
+@pytest.mark.timeout(30)
+def test_marks_written_by_a_tool_never_report_a_call_behind_it_as_begun() -> None:
+    """The first call's body keeps the GIL (no 'started', no cancel ack); cancelled, it
+    recalls the calls behind; its tool writes 'taken' and 'invoked' naming the last and dies
+    within the grace. Read as withdrawals, the call named becomes the first: but its body is
+    not said to have begun on marks a tool could have written (a hostile review's case)."""
+    core, (w,), probe = core_with_workers(1)
+    a, b, c = (CallRecord(i, "noop", b"\x80", None, NOW) for i in (1, 2, 3))
+    for call in (a, b, c):
+        core.submit(call, timeout=None, now=NOW)
+    core.flush(NOW)
+    core.cancel(a, CancelCause("user"), force=False, now=NOW)
+    core.flush(NOW)
+    probe.marks_of[w.wid] = (c.id + 1, c.id + 1)
+    core.exited(w.wid, 5, 0, NOW + 1)
+    core.gone(w.wid, NOW + 1)
+    core.flush(NOW + 1)
+    assert c._result is not None
+    assert c._result.outcome is Outcome.WORKER_LOST
+    assert c._result.body_started is None
+
+
+@pytest.mark.timeout(30)
+def test_a_result_in_turn_that_is_not_valid_is_no_withdrawal() -> None:
+    """Every call was asked back (the worker told to shut down); the ledger holds a result
+    numbered as the first call's, but not a valid one (a tool wrote over it), and names the
+    second as taken up. The first was taken up, then: it is not read as withdrawn and run
+    again (a hostile review's case); it settles lost, not said to have begun or not."""
+    core, (w,), probe = core_with_workers(1)
+    a, b, c = (CallRecord(i, "noop", b"\x80", None, NOW) for i in (1, 2, 3))
+    for call in (a, b, c):
+        core.submit(call, timeout=None, now=NOW)
+    core.flush(NOW)
+    core.dispatch.retire(w)  # every call asked back
+    core.flush(NOW)
+    probe.marks_of[w.wid] = (b.id + 1, b.id + 1)
+    probe.kept_of[w.wid] = [(1, b"\xff" * 40)]
+    core.exited(w.wid, 5, 0, NOW + 1)
+    core.gone(w.wid, NOW + 1)
+    core.flush(NOW + 1)
+    assert a._result is not None
+    assert a._result.outcome is Outcome.WORKER_LOST
+    assert a._result.body_started is None
+    assert a not in w.provider.queue

@@ -49,6 +49,9 @@ class Settlement:
 
     def __init__(self, state: State) -> None:
         self.s = state
+        # The last ledger read held a result in turn that was not valid (a tool wrote over
+        # it): its marks are not read as withdrawals (``settle_calls_of_dead``).
+        self.ledger_spoilt = False
 
     def settle(
         self,
@@ -328,6 +331,7 @@ class Settlement:
         believed only where they are consistent with what this side saw, and never to run a
         call again more than once.
         """
+        self.ledger_spoilt = False
         ledger = self.read_ledger(w)
         calls = list(w.calls)
         w.calls.clear()
@@ -337,11 +341,17 @@ class Settlement:
         if ledger is not None:
             named = next((i for i, c in enumerate(calls[1:], 1) if ledger[0] == c.id + 1), 0)
         withdrawn: list[CallRecord] = []
-        if named and not w.violated and all(self._may_have_withdrawn(w, c) for c in calls[:named]):
+        if (
+            named
+            and not w.violated
+            and not self.ledger_spoilt
+            and all(self._may_have_withdrawn(w, c) for c in calls[:named])
+        ):
             # Took up a call behind others with no result of theirs, each of which it was
             # asked to give back: it withdrew them, and its 'withdrawn' was lost with it (a
             # process that dies drops what its zmq thread had not sent yet). The call named
-            # is the one taken up.
+            # is the one taken up; whether its body began, only its 'started' says (the
+            # marks may be a call's before it, written by its tool).
             withdrawn, calls, named = calls[:named], calls[named:], 0
         head = calls[0]
         taken: bool
@@ -354,7 +364,7 @@ class Settlement:
             # period, which an idle worker always does (it withdraws a call not taken up).
             taken = True
         elif ledger[0] == head.id + 1:
-            taken, started = True, ledger[1] == head.id + 1
+            taken, started = True, None if withdrawn else ledger[1] == head.id + 1
         elif named:
             taken = True
         else:
@@ -461,6 +471,7 @@ class Settlement:
                 settle = self.received(w, msg)
             except ProtocolViolation as exc:
                 _log.warning("worker %s: its ledger holds no valid result: %s", w.wid, exc)
+                self.ledger_spoilt = True
                 break
             settle()
         return marks
