@@ -178,7 +178,10 @@ def test_three_nodes_behind_haproxy_one_killed_one_drained(
     assert cut_short, "node 1 had calls running when it was killed"
     lost = {i for i, r in records.items() if r["outcome"] == "worker_lost"}
     if idempotent:
-        assert not lost
+        assert not lost, (
+            {i: (records[i], runs[i], sorted(node_of.get(i, set()))) for i in lost},
+            err,
+        )
         for i in cut_short:
             assert records[i]["outcome"] == "ok"
             assert records[i]["attempts"] == 2  # retried once: it may have run twice
