@@ -57,6 +57,7 @@ from ._workerio import (
 )
 from .machine import (
     Action,
+    CallRecord,
     Changed,
     Clean,
     Close,
@@ -70,7 +71,6 @@ from .machine import (
     Resized,
     RestartReaper,
     Send,
-    Settled,
     Spawn,
     Started,
     Terminate,
@@ -514,8 +514,8 @@ class Channels:
         reaper = self._reaper if core.s.reaper_up else None
         for action in actions:
             kind = type(action)
-            if kind is Settled:
-                face = faces.pop(action[0].id, None)  # type: ignore[union-attr,misc]
+            if kind is CallRecord:  # (it settled: the machine's Settled)
+                face = faces.pop(action.id, None)  # type: ignore[union-attr]
                 if face is not None:
                     face._settle()  # (it is done from now on: wake its waiters)
             elif kind is Send:
@@ -536,11 +536,11 @@ class Channels:
                 if io not in sent_to:
                     sent_to.append(io)
             elif kind is Started:
-                face = faces.get(action[0].id)  # type: ignore[union-attr,misc]
+                face = faces.get(action[0].id)  # type: ignore[union-attr,misc,index]
                 if face is not None:
                     face._wake_started()
             elif kind is Progressed:
-                face = faces.get(action[0].id)  # type: ignore[union-attr,misc]
+                face = faces.get(action[0].id)  # type: ignore[union-attr,misc,index]
                 if face is not None:
                     face._wake_progress()
             elif kind is Changed:
