@@ -45,6 +45,7 @@ from ._workerio import (
     KILL_WAIT,
     ORPHAN_LOOK_EVERY,
     ORPHAN_LOOK_FOR,
+    WorkerFiles,
     WorkerIO,
     empty_cgroups,
     end_group,
@@ -133,6 +134,7 @@ class Channels:
     _core: Machine
     _faces: dict[int, Call]
     _io: dict[int, WorkerIO]
+    _files: WorkerFiles
     _closing: set[WorkerIO]
     _ctx: zmq.Context[zmq.Socket[bytes]] | None
     _dir: str | None
@@ -189,7 +191,7 @@ class Channels:
             profile=profile,
             cgroup_set=options.cgroups,
         )
-        self._io[wid] = io
+        self._files.add(io)  # (into self._io)
         argv = [
             sys.executable,
             "-m",

@@ -98,7 +98,8 @@ class Dispatch:
                     ready.remove(w)
                 w.head_since = now
                 w.state = _BUSY  # (w.advance, inline: an idle worker, ready, may go busy)
-                s.probe.reset_peak(w.wid)  # the call's peak starts now
+                if s.probe.cgroups:
+                    s.probe.reset_peak(w.wid)  # the call's peak starts now
             held.append(call)
             call._worker = w
             call._state = _SENT  # (call.advance, inline: it was queued, checked above)

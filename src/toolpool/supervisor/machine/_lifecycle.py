@@ -263,12 +263,13 @@ class Lifecycle:
         leftovers = msg.leftovers
         # With a leftover it reported, the worker takes up nothing more until 'resume'.
         w.holding = leftovers > 0 and not background
-        if not leftovers and not background and len(w.calls) == 1:
+        probe = self.s.probe
+        if not leftovers and not background and len(w.calls) == 1 and probe.cgroups:
             # The worker's count is its tool's claim; its cgroup is not: any process in it
             # but the worker (a child re-parented away with clone(CLONE_PARENT), or one a
             # tool hid by patching the worker) is left over too. Only while no other call
             # is in the worker: one taken up since could own them.
-            leftovers = self.s.probe.other_members(w.wid, w.pid) or 0
+            leftovers = probe.other_members(w.wid, w.pid) or 0
         if leftovers and not background and self.s.reaper_up:
             # The call left processes behind: kill them before settling, so the result
             # can say how many, and the next call never inherits them.
@@ -278,8 +279,8 @@ class Lifecycle:
             self.s.act(Clean(w.wid))
             return
         self.settlement.settle_received(*facts)
-        if w.calls:
-            self.s.probe.reset_peak(w.wid)  # the next call's peak starts about now
+        if w.calls and probe.cgroups:
+            probe.reset_peak(w.wid)  # the next call's peak starts about now
         if self.dispatch.resume(w):  # (_resume, inline)
             self.fleet.owe_replacement(w.provider)
 

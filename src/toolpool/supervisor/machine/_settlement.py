@@ -314,7 +314,8 @@ class Settlement:
                 dispatched = times["dispatched"]
                 started_at = started_at if started_at > dispatched else dispatched
                 times["started"] = started_at if started_at < now else now
-        return call, msg, value, self.s.probe.peak(w.wid)
+        probe = self.s.probe
+        return call, msg, value, probe.peak(w.wid) if probe.cgroups else None
 
     # ------------------------------------------------------------------ post-mortem
 
