@@ -288,7 +288,7 @@ class Channels:
                     core.violation(wid, f"protocol violation: {exc}", now)
                     continue
                 try:
-                    core.message(wid, msg, now, peer_pid=sender)
+                    core.message(wid, msg, now, sender)  # (peer_pid: by position, cheaper)
                 except Exception as exc:  # a gap in the core must never take the pool down
                     _log.exception("worker %s: unexpected error handling its message", wid)
                     core.violation(wid, f"protocol violation: {type(exc).__name__}: {exc}", now)
@@ -528,7 +528,7 @@ class Channels:
                         raise zmq.ZMQError(zmq.ENOTSOCK)
                     if len(send.frames) == 1:
                         frame = send.frames[0]
-                        io.sock.send(frame, _NOBLOCK, copy=len(frame) < 65536)
+                        io.sock.send(frame, _NOBLOCK, len(frame) < 65536)  # (copy)
                     else:
                         io.sock.send_multipart(send.frames, _NOBLOCK, copy=False)
                 except zmq.ZMQError:

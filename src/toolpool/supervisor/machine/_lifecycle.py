@@ -255,7 +255,7 @@ class Lifecycle:
 
     def on_result(self, w: WorkerRecord, msg: ResultMessage) -> None:
         """w's result (``Machine.message`` comes here at once for one: the hot path)."""
-        facts = self.settlement.received_facts(w, msg)
+        call, _, value, peak = facts = self.settlement.received_facts(w, msg)
         if len(w.calls) > 1 and not msg.extras.get("kept", False):
             # Not in its ledger: it takes up nothing more until it knows this arrived.
             self.dispatch.send(w, encode(Ack(w.results)))
@@ -278,7 +278,9 @@ class Lifecycle:
                 w.advance(WorkerState.CLEANING)
             self.s.act(Clean(w.wid))
             return
-        self.settlement.settle_received(*facts)
+        # (by position, not *facts: a call with * goes through the C API, a new frame of
+        # the interpreter's loop, where a plain call stays inline in the one running)
+        self.settlement.settle_received(call, msg, value, peak)
         if w.calls and probe.cgroups:
             probe.reset_peak(w.wid)  # the next call's peak starts about now
         if self.dispatch.resume(w):  # (_resume, inline)
