@@ -319,7 +319,8 @@ class Dispatch:
             if w.state is _BUSY and not w.calls:
                 if w.draining or w.provider.state is not _ACTIVE:
                     self.retire(w)  # (a shrink, or its provider was removed or reloaded)
-                elif _used_up(w):
+                elif w.provider.spec.max_calls is not None and _used_up(w):
+                    # (no call of _used_up where there is no limit: the hot path)
                     # It served its max_calls: it exits, and (the caller tops its provider
                     # up) a new worker starts in its place at once, as maxtasksperchild does.
                     self.retire(w)
