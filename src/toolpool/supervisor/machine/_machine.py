@@ -389,25 +389,29 @@ class Machine:
         s = self.s
         s.now = now
         s.owed_at = None  # (paid here)
-        for _ in range(1000):  # (_run_due, inline: once per call)
+        passes = 1000  # (_run_due, inline: once per call; no range made for it)
+        while passes:
             if s.procs:
                 s.run_procs()
             if not s.dispatch_due:
                 break
             s.dispatch_due = False
             self.dispatch.run()
+            passes -= 1
         out, s.out = s.out, []
         return out
 
     def _run_due(self) -> None:
         s = self.s
-        for _ in range(1000):
+        passes = 1000  # (as in flush: no range made)
+        while passes:
             if s.procs:
                 s.run_procs()
             if not s.dispatch_due:
                 break
             s.dispatch_due = False
             self.dispatch.run()
+            passes -= 1
 
     # ------------------------------------------------------------------ introspection
 
