@@ -23,6 +23,8 @@ __all__ = ("FakeProbe", "core_with_workers", "sent")
 class FakeProbe:
     """Ledger marks, kept results and cgroup members as the test sets them."""
 
+    cgroups = True  # (members as the test sets them, at any time: always asked)
+
     def __init__(self) -> None:
         self.marks_of: dict[int, tuple[int, int]] = {}
         self.kept_of: dict[int, list[tuple[int, bytes]]] = {}

@@ -74,7 +74,6 @@ from toolpool.supervisor.machine import (
     ProviderSpec,
     RestartReaper,
     Send,
-    Settled,
     Spawn,
     Terminate,
     Unkillable,
@@ -358,8 +357,8 @@ class World:
             # Sometimes the new reaper dies while it starts (killed by the same hand).
             failed = self.rng.random() < 0.2
             self.reports.append(("reaper_failed",) if failed else ("reaper_ready",))
-        elif isinstance(action, Settled):
-            self.on_settled(action.call)
+        elif isinstance(action, CallRecord):  # (the machine's Settled: that call settled)
+            self.on_settled(action)
         elif isinstance(action, Progressed):
             if not self.invoked_by.get(action.call.id):
                 raise Violation(f"call {action.call.id} reported progress, never invoked")

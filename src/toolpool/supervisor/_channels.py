@@ -45,6 +45,7 @@ from ._workerio import (
     KILL_WAIT,
     ORPHAN_LOOK_EVERY,
     ORPHAN_LOOK_FOR,
+    WorkerFiles,
     WorkerIO,
     empty_cgroups,
     end_group,
@@ -57,6 +58,7 @@ from ._workerio import (
 )
 from .machine import (
     Action,
+    CallRecord,
     Changed,
     Clean,
     Close,
@@ -70,7 +72,6 @@ from .machine import (
     Resized,
     RestartReaper,
     Send,
-    Settled,
     Spawn,
     Started,
     Terminate,
@@ -133,6 +134,7 @@ class Channels:
     _core: Machine
     _faces: dict[int, Call]
     _io: dict[int, WorkerIO]
+    _files: WorkerFiles
     _closing: set[WorkerIO]
     _ctx: zmq.Context[zmq.Socket[bytes]] | None
     _dir: str | None
@@ -189,7 +191,7 @@ class Channels:
             profile=profile,
             cgroup_set=options.cgroups,
         )
-        self._io[wid] = io
+        self._files.add(io)  # (into self._io)
         argv = [
             sys.executable,
             "-m",
@@ -286,7 +288,7 @@ class Channels:
                     core.violation(wid, f"protocol violation: {exc}", now)
                     continue
                 try:
-                    core.message(wid, msg, now, peer_pid=sender)
+                    core.message(wid, msg, now, sender)  # (peer_pid: by position, cheaper)
                 except Exception as exc:  # a gap in the core must never take the pool down
                     _log.exception("worker %s: unexpected error handling its message", wid)
                     core.violation(wid, f"protocol violation: {type(exc).__name__}: {exc}", now)
@@ -514,8 +516,8 @@ class Channels:
         reaper = self._reaper if core.s.reaper_up else None
         for action in actions:
             kind = type(action)
-            if kind is Settled:
-                face = faces.pop(action[0].id, None)  # type: ignore[union-attr,misc]
+            if kind is CallRecord:  # (it settled: the machine's Settled)
+                face = faces.pop(action.id, None)  # type: ignore[union-attr]
                 if face is not None:
                     face._settle()  # (it is done from now on: wake its waiters)
             elif kind is Send:
@@ -526,7 +528,7 @@ class Channels:
                         raise zmq.ZMQError(zmq.ENOTSOCK)
                     if len(send.frames) == 1:
                         frame = send.frames[0]
-                        io.sock.send(frame, _NOBLOCK, copy=len(frame) < 65536)
+                        io.sock.send(frame, _NOBLOCK, len(frame) < 65536)  # (copy)
                     else:
                         io.sock.send_multipart(send.frames, _NOBLOCK, copy=False)
                 except zmq.ZMQError:
@@ -536,11 +538,11 @@ class Channels:
                 if io not in sent_to:
                     sent_to.append(io)
             elif kind is Started:
-                face = faces.get(action[0].id)  # type: ignore[union-attr,misc]
+                face = faces.get(action[0].id)  # type: ignore[union-attr,misc,index]
                 if face is not None:
                     face._wake_started()
             elif kind is Progressed:
-                face = faces.get(action[0].id)  # type: ignore[union-attr,misc]
+                face = faces.get(action[0].id)  # type: ignore[union-attr,misc,index]
                 if face is not None:
                     face._wake_progress()
             elif kind is Changed:

@@ -212,6 +212,15 @@ class WorkerFiles:
 
     def __init__(self) -> None:
         self.ios: dict[int, WorkerIO] = {}
+        # Whether a worker was given cgroup files (its members, its peak memory): until one
+        # is, the core need not ask for them (``Probe.cgroups``). Never set back.
+        self.cgroups = False
+
+    def add(self, io: WorkerIO) -> None:
+        """A new worker's files."""
+        self.ios[io.wid] = io
+        if io.members_file is not None or io.peak_fd is not None:
+            self.cgroups = True
 
     def marks(self, wid: int) -> tuple[int, int] | None:
         io = self.ios.get(wid)

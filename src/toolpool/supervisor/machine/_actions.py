@@ -1,7 +1,9 @@
 """What the machine asks the shell to do: :meth:`Machine.flush` returns these, in order.
 
-Plain named tuples; the shell (``supervisor/_channels.py``) performs each, the simulation
-(``tests/sim_world.py``) performs them on its model.
+Plain named tuples, and one that is not: a settled call is said by its
+:class:`~._records.CallRecord` itself (no object made per call: the hot path). The shell
+(``supervisor/_channels.py``) performs each, the simulation (``tests/sim_world.py``)
+performs them on its model.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ __all__ = (
     "ProviderUp",
     "RestartReaper",
     "Send",
-    "Settled",
     "Spawn",
     "Started",
     "Terminate",
@@ -97,12 +98,6 @@ class Orphaned(NamedTuple):
 class RestartReaper(NamedTuple):
     """Every worker of the dead reaper is gone: start a new one, then report
     ``reaper_ready`` (or ``reaper_failed``)."""
-
-
-class Settled(NamedTuple):
-    """``call`` settled: wake whoever waits for it."""
-
-    call: CallRecord
 
 
 class Started(NamedTuple):
@@ -181,7 +176,7 @@ Action = (
     | Orphaned
     | Unkillable
     | RestartReaper
-    | Settled
+    | CallRecord  # (that call settled: wake whoever waits for it)
     | Started
     | Progressed
     | Changed

@@ -4,6 +4,7 @@ of the queue."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Final
 
 from ...core import CancelCause
@@ -64,7 +65,11 @@ class Dispatch:
     def _dispatch_provider(self, p: ProviderRecord) -> None:
         queue = p.queue
         ready = p.ready
-        batches: dict[WorkerRecord, list[CallRecord]] = {}
+        # The workers given calls in this pass and how many each (its last ones, in order):
+        # the first one by name, the others (rare: prefetch) in a dict made only then.
+        first: WorkerRecord | None = None
+        taken = 0
+        others: dict[WorkerRecord, int] | None = None
         s = self.s
         now = s.now
         spares = p.spec.warm_spares
@@ -98,34 +103,51 @@ class Dispatch:
                     ready.remove(w)
                 w.head_since = now
                 w.state = _BUSY  # (w.advance, inline: an idle worker, ready, may go busy)
-                s.probe.reset_peak(w.wid)  # the call's peak starts now
+                if s.probe.cgroups:
+                    s.probe.reset_peak(w.wid)  # the call's peak starts now
             held.append(call)
             call._worker = w
             call._state = _SENT  # (call.advance, inline: it was queued, checked above)
-            batch = batches.get(w)
-            if batch is None:
-                batches[w] = [call]
+            if w is first:
+                taken += 1
+            elif first is None:
+                first, taken = w, 1
             else:
-                batch.append(call)
+                if others is None:
+                    others = {}
+                others[w] = others.get(w, 0) + 1
         if p.settled_in_queue:
             self.settlement.compact_queue(p)  # (what went out may leave it mostly settled calls)
-        out = s.out
-        for w, calls in batches.items():
+        if first is not None:
             # One multipart message per worker: one wake-up of zmq's I/O thread for all of
             # them (each part is one 'call' frame).
-            acked = w.results
-            frames = []
-            for call in calls:
-                parts = call._parts
-                if parts:  # the frame, then its parts (zmq sends them without a copy)
-                    frames.append(encode_call(call.id, call.tool, call._args, acked, len(parts)))
-                    frames.extend(parts)
-                else:
-                    frames.append(encode_call(call.id, call.tool, call._args, acked))
+            if taken == 1 and not (call := first.calls[-1])._parts:  # (one call: the most)
                 call._times["dispatched"] = now
-            out.append(_new_send(Send, (w.wid, frames, tuple(calls))))
+                frame = encode_call(call.id, call.tool, call._args, first.results)
+                s.out.append(_new_send(Send, (first.wid, [frame], (call,))))
+            else:
+                self._send_calls(first, taken, now)
+            if others is not None:
+                for w, n in others.items():
+                    self._send_calls(w, n, now)
         if prefetch:
             self._steal(p, now)
+
+    def _send_calls(self, w: WorkerRecord, n: int, now: float) -> None:
+        """Send w the last ``n`` calls it was given (a dispatch pass's), in one message."""
+        held = w.calls
+        calls = tuple(itertools.islice(held, len(held) - n, None))
+        acked = w.results
+        frames = []
+        for call in calls:
+            parts = call._parts
+            if parts:  # the frame, then its parts (zmq sends them without a copy)
+                frames.append(encode_call(call.id, call.tool, call._args, acked, len(parts)))
+                frames.extend(parts)
+            else:
+                frames.append(encode_call(call.id, call.tool, call._args, acked))
+            call._times["dispatched"] = now
+        self.s.out.append(_new_send(Send, (w.wid, frames, calls)))
 
     def _pick(self, p: ProviderRecord, now: float) -> WorkerRecord | None:
         """The worker of p for its next queued call: an idle one (within the warm-spare
@@ -297,7 +319,8 @@ class Dispatch:
             if w.state is _BUSY and not w.calls:
                 if w.draining or w.provider.state is not _ACTIVE:
                     self.retire(w)  # (a shrink, or its provider was removed or reloaded)
-                elif _used_up(w):
+                elif w.provider.spec.max_calls is not None and _used_up(w):
+                    # (no call of _used_up where there is no limit: the hot path)
                     # It served its max_calls: it exits, and (the caller tops its provider
                     # up) a new worker starts in its place at once, as maxtasksperchild does.
                     self.retire(w)

@@ -255,7 +255,7 @@ class Lifecycle:
 
     def on_result(self, w: WorkerRecord, msg: ResultMessage) -> None:
         """w's result (``Machine.message`` comes here at once for one: the hot path)."""
-        facts = self.settlement.received_facts(w, msg)
+        call, _, value, peak = facts = self.settlement.received_facts(w, msg)
         if len(w.calls) > 1 and not msg.extras.get("kept", False):
             # Not in its ledger: it takes up nothing more until it knows this arrived.
             self.dispatch.send(w, encode(Ack(w.results)))
@@ -263,12 +263,13 @@ class Lifecycle:
         leftovers = msg.leftovers
         # With a leftover it reported, the worker takes up nothing more until 'resume'.
         w.holding = leftovers > 0 and not background
-        if not leftovers and not background and len(w.calls) == 1:
+        probe = self.s.probe
+        if not leftovers and not background and len(w.calls) == 1 and probe.cgroups:
             # The worker's count is its tool's claim; its cgroup is not: any process in it
             # but the worker (a child re-parented away with clone(CLONE_PARENT), or one a
             # tool hid by patching the worker) is left over too. Only while no other call
             # is in the worker: one taken up since could own them.
-            leftovers = self.s.probe.other_members(w.wid, w.pid) or 0
+            leftovers = probe.other_members(w.wid, w.pid) or 0
         if leftovers and not background and self.s.reaper_up:
             # The call left processes behind: kill them before settling, so the result
             # can say how many, and the next call never inherits them.
@@ -277,9 +278,11 @@ class Lifecycle:
                 w.advance(WorkerState.CLEANING)
             self.s.act(Clean(w.wid))
             return
-        self.settlement.settle_received(*facts)
-        if w.calls:
-            self.s.probe.reset_peak(w.wid)  # the next call's peak starts about now
+        # (by position, not *facts: a call with * goes through the C API, a new frame of
+        # the interpreter's loop, where a plain call stays inline in the one running)
+        self.settlement.settle_received(call, msg, value, peak)
+        if w.calls and probe.cgroups:
+            probe.reset_peak(w.wid)  # the next call's peak starts about now
         if self.dispatch.resume(w):  # (_resume, inline)
             self.fleet.owe_replacement(w.provider)
 

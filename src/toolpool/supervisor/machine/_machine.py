@@ -146,8 +146,9 @@ class Machine:
 
     # ------------------------------------------------------------------ calls
 
-    def submit(self, call: CallRecord, *, timeout: float | None, now: float) -> None:
-        """A new call (checked and packed by the shell)."""
+    def submit(self, call: CallRecord, timeout: float | None, now: float) -> None:
+        """A new call (checked and packed by the shell). (Its arguments may be passed by
+        position: keywords cost every call of the hot path more.)"""
         s = self.s
         s.now = now
         owner = call._owner = s.owner.get(call.tool)
@@ -194,9 +195,9 @@ class Machine:
 
     # ------------------------------------------------------------------ workers
 
-    def message(self, wid: int, msg: Any, now: float, *, peer_pid: int | None = None) -> None:
+    def message(self, wid: int, msg: Any, now: float, peer_pid: int | None = None) -> None:
         """A decoded message from worker ``wid`` (``peer_pid``: who sent it, where the
-        socket tells, for a worker that has not said hello)."""
+        socket tells, for a worker that has not said hello; by position or keyword)."""
         s = self.s
         if s.owed_at is not None:
             self._pay_owed()
@@ -388,25 +389,29 @@ class Machine:
         s = self.s
         s.now = now
         s.owed_at = None  # (paid here)
-        for _ in range(1000):  # (_run_due, inline: once per call)
+        passes = 1000  # (_run_due, inline: once per call; no range made for it)
+        while passes:
             if s.procs:
                 s.run_procs()
             if not s.dispatch_due:
                 break
             s.dispatch_due = False
             self.dispatch.run()
+            passes -= 1
         out, s.out = s.out, []
         return out
 
     def _run_due(self) -> None:
         s = self.s
-        for _ in range(1000):
+        passes = 1000  # (as in flush: no range made)
+        while passes:
             if s.procs:
                 s.run_procs()
             if not s.dispatch_due:
                 break
             s.dispatch_due = False
             self.dispatch.run()
+            passes -= 1
 
     # ------------------------------------------------------------------ introspection
 

@@ -152,6 +152,11 @@ class CoreConfig:
 class Probe(Protocol):
     """What the core reads of a live worker between events (the shell: files it holds open)."""
 
+    #: Whether a worker may have cgroup files to read: False while none has (no cgroups in
+    #: use), and then :meth:`other_members`, :meth:`peak` and :meth:`reset_peak` would only
+    #: answer None or do nothing: the core calls none of them (three calls a call saved).
+    cgroups: bool
+
     def marks(self, wid: int) -> tuple[int, int] | None:
         """The worker's ledger marks (taken up, invoked: call id + 1, or 0), or None."""
 
