@@ -74,6 +74,7 @@ from ..protocol._ledger import (
     words,
     write_parts,
 )
+from ..protocol._values import _SMALL, _unpackb
 from ..sandbox._cgroups import others_listed
 from ..sandbox._linux import child_pids, reap_zombies
 from ._call import _NIL, DecodedArgs, _lean_result, _lean_value
@@ -225,8 +226,14 @@ class _Server:
                     except ProtocolViolation:
                         traceback.print_exc()
                         os._exit(EXIT_PROTOCOL)
-                    if type(msg) is CallMessage and msg.parts:  # its parts are missing:
-                        self._handle_frames([frame])  # (a violation: said, and the exit)
+                    if type(msg) is CallMessage:
+                        if msg.parts:  # its parts are missing:
+                            self._handle_frames([frame])  # (a violation: said, and the exit)
+                            continue
+                        # (machine.receive's of a call, inline: once a call.)
+                        if msg.acked > machine.acked:
+                            machine.acked = msg.acked
+                        machine.queue.append(msg)  # taken up in order
                         continue
                     out = machine.receive(msg)
                     if out:
@@ -327,8 +334,17 @@ class _Server:
             before = _usage()
         if self.capture is not None:
             self.capture.begin()
+        given = msg.args
         try:
-            args = unpack_args(msg.args, self.max_frame, msg.data)
+            # (Its parts, or a large one: as it comes. It lies in its frame, of at most
+            # max_frame.)
+            if msg.data or len(given) > _SMALL:
+                args = unpack_args(given, self.max_frame, msg.data)
+            else:  # (unpack_args's own path for a small one, inline: once a call)
+                try:
+                    args = _unpackb(given, max_ext_len=0)
+                except Exception:  # (its error, as unpack_args says it)
+                    args = unpack_args(given, self.max_frame, msg.data)
         except ValueError as bad:
             args = bad  # the registry turns a non-mapping into an ordinary `error`
         tool = msg.tool
@@ -726,8 +742,8 @@ def _usage() -> tuple[float, float]:
 #: child, which costs twice the system call (every call asks; most have no child).
 _libc = ctypes.PyDLL(None, use_errno=True)
 _waitid = _libc.waitid
-_siginfo = ctypes.create_string_buffer(128)  # a siginfo_t (128 bytes), never read
-_ANY_CHILD = (int(os.P_ALL), 0, _siginfo, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+#: (No siginfo_t: Linux's waitid takes a null one, and a null pointer is the cheaper argument.)
+_ANY_CHILD = (int(os.P_ALL), 0, None, os.WEXITED | os.WNOHANG | os.WNOWAIT)
 _get_errno, _ECHILD = ctypes.get_errno, errno.ECHILD
 
 
