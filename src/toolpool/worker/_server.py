@@ -80,6 +80,8 @@ from ..sandbox._linux import child_pids, reap_zombies
 from ._call import _NIL, DecodedArgs, _lean_result, _lean_value
 from ._helpers import helpers
 from ._machine import (
+    _IDLE,
+    _RUNNING,
     FireCancel,
     KeepResult,
     MarkInvoked,
@@ -246,25 +248,33 @@ class _Server:
                     self._perform(machine.beat(now))
                 # The next queued call taken up, if it may be; if not, what was held back goes.
                 job = None
-                out = machine.next()
-                if out:
-                    run = out[-1]
-                    if type(run) is RunCall:
-                        job, mark = run
-                        call_id = job.call_id
-                        if mark:  # (the marks: this call taken up, none invoked)
-                            ledger = self._words
-                            ledger[TAKEN_WORD] = call_id + 1
-                            ledger[INVOKED_WORD] = 0
-                        self.current = (call_id, None)
-                        self.cause = None
-                        self.started_at = 0.0
-                        self.taken_at = self.active_at = now
-                        if not self.looking:
-                            self.looking = True
-                            self._wake()
-                    else:
-                        self._perform(out)
+                if machine.phase is _IDLE and machine._may_take():
+                    # (machine.next's take-up, inline: once a call; the same decision, the
+                    # same move, IDLE -> RUNNING, and RunCall's fields without the action.)
+                    job = machine.queue.popleft()
+                    machine.phase = _RUNNING
+                    machine.current = job.call_id
+                    mark = machine.ledger
+                else:
+                    out = machine.next()  # (what was held back, as it decides)
+                    if out:
+                        if type(out[-1]) is RunCall:
+                            job, mark = out[-1]
+                        else:
+                            self._perform(out)
+                if job is not None:
+                    call_id = job.call_id
+                    if mark:  # (the marks: this call taken up, none invoked)
+                        ledger = self._words
+                        ledger[TAKEN_WORD] = call_id + 1
+                        ledger[INVOKED_WORD] = 0
+                    self.current = (call_id, None)
+                    self.cause = None
+                    self.started_at = 0.0
+                    self.taken_at = self.active_at = now
+                    if not self.looking:
+                        self.looking = True
+                        self._wake()
                 mu.release()
                 held = False
                 try:
@@ -737,14 +747,28 @@ def _usage() -> tuple[float, float]:
     return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
 
 
-#: waitid(2) from libc, called with the GIL held (it does not block: WNOHANG) and errno kept:
-#: what ``os.waitid`` does, without the ``ChildProcessError`` it raises when there is no
-#: child, which costs twice the system call (every call asks; most have no child).
-_libc = ctypes.PyDLL(None, use_errno=True)
+#: waitid(2) from libc, called with the GIL held (it does not block: WNOHANG): what
+#: ``os.waitid`` does, without the ``ChildProcessError`` it raises when there is no child,
+#: which costs twice the system call (every call asks; most have no child).
+_libc = ctypes.PyDLL(None)
 _waitid = _libc.waitid
+_OPTIONS: Final = os.WEXITED | os.WNOHANG | os.WNOWAIT
 #: (No siginfo_t: Linux's waitid takes a null one, and a null pointer is the cheaper argument.)
-_ANY_CHILD = (int(os.P_ALL), 0, None, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-_get_errno, _ECHILD = ctypes.get_errno, errno.ECHILD
+_ANY_CHILD = (int(os.P_ALL), 0, None, _OPTIONS)
+_ECHILD: Final = errno.ECHILD
+
+
+def _errno_cell() -> ctypes.c_int:
+    """The errno of the calling thread, as a ``c_int`` at its thread-local address: read by
+    one attribute (``ctypes.get_errno`` is a lookup in the thread's state, and ``use_errno``
+    saves and restores errno around every call of the function)."""
+    location = _libc.__errno_location
+    location.restype = ctypes.c_void_p
+    return ctypes.c_int.from_address(location())
+
+
+#: The errno of the thread that imports this module: the worker's main thread, which serves.
+_errno = _errno_cell()
 
 
 def _has_children() -> bool:
@@ -752,7 +776,12 @@ def _has_children() -> bool:
     as it is: WNOWAIT)."""
     if _waitid(*_ANY_CHILD) == 0:
         return True
-    err = _get_errno()
-    if err == _ECHILD:
+    if _errno.value == _ECHILD:  # (the serving thread's errno, as waitid left it)
         return False
-    raise OSError(err, os.strerror(err))  # (as os.waitid would raise it)
+    # Not ECHILD, by that reading (a call on another thread, or errno changed since): asked
+    # again by os.waitid itself, which raises any error but ECHILD.
+    try:
+        os.waitid(os.P_ALL, 0, _OPTIONS)
+    except ChildProcessError:
+        return False
+    return True
