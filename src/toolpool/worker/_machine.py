@@ -19,7 +19,9 @@ The worker is in one of three phases (``PHASE_MOVES``): ``idle`` (no call taken 
 behind: nothing is taken up until ``resume``). It moves only through :meth:`advance`, which
 raises :class:`IllegalPhaseMove` on a move the table does not have (``next`` and ``conclude``,
 once a call each, make theirs inline: IDLE -> RUNNING, RUNNING -> IDLE, in the table, a test
-says); :meth:`check` asserts the invariants between its fields.
+says; the shell's loop makes ``next``'s take-up inline too, deciding by :meth:`_may_take` as
+``next`` does, and calls ``next`` where it takes nothing up); :meth:`check` asserts the
+invariants between its fields.
 """
 
 from __future__ import annotations
