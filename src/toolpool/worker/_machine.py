@@ -19,7 +19,9 @@ The worker is in one of three phases (``PHASE_MOVES``): ``idle`` (no call taken 
 behind: nothing is taken up until ``resume``). It moves only through :meth:`advance`, which
 raises :class:`IllegalPhaseMove` on a move the table does not have (``next`` and ``conclude``,
 once a call each, make theirs inline: IDLE -> RUNNING, RUNNING -> IDLE, in the table, a test
-says); :meth:`check` asserts the invariants between its fields.
+says; the shell's loop makes ``next``'s take-up inline too, deciding by :meth:`_may_take` as
+``next`` does, and calls ``next`` where it takes nothing up); :meth:`check` asserts the
+invariants between its fields.
 """
 
 from __future__ import annotations
@@ -394,28 +396,27 @@ class WorkerMachine:
             else:
                 self.spilled.append((results, spill_at, spill_at + need))
         extras["kept"] = slot is not None
-        encode_result = self._encode_result
-        frame = self._encode_array(array) if reply is None else encode_result(reply)
+        frame = self._encode_array(array) if reply is None else self._encode_result(reply)
         if len(frame) > self.max_frame:
             # The supervisor would drop the connection over it, and the worker with it: what
             # does not fit is left out, and said (the worker goes on serving).
             if reply is None:
                 reply = new_result(*array[1:])
             reply = within(reply, len(frame), self.max_frame)
-            frame = encode_result(reply)
+            frame = self._encode_result(reply)
         out: list[WorkerAction] = []
         if spill_at is not None:
             # The parts first: the supervisor reads them where the result says, whether or
             # not its frame fits the slot.
             out.append(SpillParts(spill_at, tuple(parts)))
         kept = slot is not None and len(frame) <= SLOT_PAYLOAD
-        if slot is not None and kept:
+        if kept:
             out.append(_new(KeepResult, (slot, results, frame)))
-            self.slots[slot] = results
+            self.slots[slot] = results  # type: ignore[index]  # (kept: a slot)
         else:
             if slot is not None:  # too large to keep after all: say so
                 extras["kept"] = False
-                frame = self._encode_array(array) if reply is None else encode_result(reply)
+                frame = self._encode_array(array) if reply is None else self._encode_result(reply)
             self.need_ack = results
         if kept and self.queue and not held and not self.shutdown and len(self.pending) < HOLD_BACK:
             # Another call is queued: send this result with the next ones, in one go (one

@@ -44,6 +44,7 @@ import errno
 import os
 import resource
 import select
+import sys
 import threading
 import time
 import traceback
@@ -74,11 +75,14 @@ from ..protocol._ledger import (
     words,
     write_parts,
 )
+from ..protocol._values import _SMALL, _unpackb
 from ..sandbox._cgroups import others_listed
 from ..sandbox._linux import child_pids, reap_zombies
 from ._call import _NIL, DecodedArgs, _lean_result, _lean_value
 from ._helpers import helpers
 from ._machine import (
+    _IDLE,
+    _RUNNING,
     FireCancel,
     KeepResult,
     MarkInvoked,
@@ -225,8 +229,14 @@ class _Server:
                     except ProtocolViolation:
                         traceback.print_exc()
                         os._exit(EXIT_PROTOCOL)
-                    if type(msg) is CallMessage and msg.parts:  # its parts are missing:
-                        self._handle_frames([frame])  # (a violation: said, and the exit)
+                    if type(msg) is CallMessage:
+                        if msg.parts:  # its parts are missing:
+                            self._handle_frames([frame])  # (a violation: said, and the exit)
+                            continue
+                        # (machine.receive's of a call, inline: once a call.)
+                        if msg.acked > machine.acked:
+                            machine.acked = msg.acked
+                        machine.queue.append(msg)  # taken up in order
                         continue
                     out = machine.receive(msg)
                     if out:
@@ -239,25 +249,33 @@ class _Server:
                     self._perform(machine.beat(now))
                 # The next queued call taken up, if it may be; if not, what was held back goes.
                 job = None
-                out = machine.next()
-                if out:
-                    run = out[-1]
-                    if type(run) is RunCall:
-                        job, mark = run
-                        call_id = job.call_id
-                        if mark:  # (the marks: this call taken up, none invoked)
-                            ledger = self._words
-                            ledger[TAKEN_WORD] = call_id + 1
-                            ledger[INVOKED_WORD] = 0
-                        self.current = (call_id, None)
-                        self.cause = None
-                        self.started_at = 0.0
-                        self.taken_at = self.active_at = now
-                        if not self.looking:
-                            self.looking = True
-                            self._wake()
-                    else:
-                        self._perform(out)
+                if machine.phase is _IDLE and machine._may_take():
+                    # (machine.next's take-up, inline: once a call; the same decision, the
+                    # same move, IDLE -> RUNNING, and RunCall's fields without the action.)
+                    job = machine.queue.popleft()
+                    machine.phase = _RUNNING
+                    machine.current = job.call_id
+                    mark = machine.ledger
+                else:
+                    out = machine.next()  # (what was held back, as it decides)
+                    if out:
+                        if type(out[-1]) is RunCall:
+                            job, mark = out[-1]
+                        else:
+                            self._perform(out)
+                if job is not None:
+                    call_id = job.call_id
+                    if mark:  # (the marks: this call taken up, none invoked)
+                        ledger = self._words
+                        ledger[TAKEN_WORD] = call_id + 1
+                        ledger[INVOKED_WORD] = 0
+                    self.current = (call_id, None)
+                    self.cause = None
+                    self.started_at = 0.0
+                    self.taken_at = self.active_at = now
+                    if not self.looking:
+                        self.looking = True
+                        self._wake()
                 mu.release()
                 held = False
                 try:
@@ -327,8 +345,17 @@ class _Server:
             before = _usage()
         if self.capture is not None:
             self.capture.begin()
+        given = msg.args
         try:
-            args = unpack_args(msg.args, self.max_frame, msg.data)
+            # (Its parts, or a large one: as it comes. It lies in its frame, of at most
+            # max_frame.)
+            if msg.data or len(given) > _SMALL:
+                args = unpack_args(given, self.max_frame, msg.data)
+            else:  # (unpack_args's own path for a small one, inline: once a call)
+                try:
+                    args = _unpackb(given, max_ext_len=0)
+                except Exception:  # (its error, as unpack_args says it)
+                    args = unpack_args(given, self.max_frame, msg.data)
         except ValueError as bad:
             args = bad  # the registry turns a non-mapping into an ordinary `error`
         tool = msg.tool
@@ -721,13 +748,15 @@ def _usage() -> tuple[float, float]:
     return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
 
 
-#: waitid(2) from libc, called with the GIL held (it does not block: WNOHANG) and errno kept:
-#: what ``os.waitid`` does, without the ``ChildProcessError`` it raises when there is no
-#: child, which costs twice the system call (every call asks; most have no child).
+#: waitid(2) from libc, called with the GIL held (it does not block: WNOHANG), errno kept by
+#: ctypes: what ``os.waitid`` does, without the ``ChildProcessError`` it raises when there is
+#: no child, which costs twice the system call (every call asks; most have no child).
 _libc = ctypes.PyDLL(None, use_errno=True)
 _waitid = _libc.waitid
-_siginfo = ctypes.create_string_buffer(128)  # a siginfo_t (128 bytes), never read
-_ANY_CHILD = (int(os.P_ALL), 0, _siginfo, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+_OPTIONS: Final = os.WEXITED | os.WNOHANG | os.WNOWAIT
+#: (Linux's waitid takes a null siginfo_t, the cheaper argument; elsewhere one to fill.)
+_SIGINFO = None if sys.platform.startswith("linux") else ctypes.create_string_buffer(128)
+_ANY_CHILD = (int(os.P_ALL), 0, _SIGINFO, _OPTIONS)
 _get_errno, _ECHILD = ctypes.get_errno, errno.ECHILD
 
 
