@@ -10,6 +10,8 @@ named may have run' (C4.6: a lost worker loses no other call). Found by
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from core_support import core_with_workers, sent
@@ -32,13 +34,26 @@ def calls_sent(frames: list[bytes]) -> list[int]:
     return [m.call_id for m in msgs if isinstance(m, CallMessage)]
 
 
+def submitted(core: Any, now: float, *ids: int) -> list[CallRecord]:
+    """Calls of the tool ``noop`` submitted and flushed (sent where they go)."""
+    calls = [CallRecord(i, "noop", b"\x80", None, now) for i in ids]
+    for call in calls:
+        core.submit(call, timeout=None, now=now)
+    core.flush(now)
+    return calls
+
+
+def dies(core: Any, wid: int, now: float) -> list[Any]:
+    """Worker ``wid`` exits (status 5) and its tree is gone: its post-mortem runs."""
+    core.exited(wid, 5, 0, now)
+    core.gone(wid, now)
+    return core.flush(now)
+
+
 @pytest.mark.timeout(30)
 def test_a_cancelled_call_withdrawn_before_a_crash_settles_as_never_started() -> None:
     core, (w,), probe = core_with_workers(1)
-    a, b, c = (CallRecord(i, "noop", b"\x80", None, NOW) for i in (1, 2, 3))
-    for call in (a, b, c):
-        core.submit(call, timeout=None, now=NOW)
-    core.flush(NOW)
+    a, b, c = submitted(core, NOW, 1, 2, 3)
     assert list(w.calls) == [a, b, c]
     core.cancel(b, CancelCause("user"), force=False, now=NOW)
     core.flush(NOW)
@@ -49,9 +64,7 @@ def test_a_cancelled_call_withdrawn_before_a_crash_settles_as_never_started() ->
     # The worker withdrew b, took up c, invoked it and died of it: its 'withdrawn' never
     # came. Its ledger names c.
     probe.marks_of[w.wid] = (c.id + 1, c.id + 1)
-    core.exited(w.wid, 5, 0, NOW + 1)
-    core.gone(w.wid, NOW + 1)
-    core.flush(NOW + 1)
+    dies(core, w.wid, NOW + 1)
     assert b._result is not None
     assert c._result is not None
     assert b._result.outcome is Outcome.ABORTED_BEFORE_DISPATCH, b._result
@@ -66,14 +79,9 @@ def test_a_cancelled_call_withdrawn_before_a_crash_settles_as_never_started() ->
 def test_a_recalled_call_withdrawn_before_a_crash_runs_elsewhere_and_not_a_third_time() -> None:
     core, (w1, w2), probe = core_with_workers(2, ready=False)
     w1.provider.ready.append(w1)
-    a, b, c = (CallRecord(i, "noop", b"\x80", None, NOW) for i in (1, 2, 3))
-    for call in (a, b, c):
-        core.submit(call, timeout=None, now=NOW)
-    core.flush(NOW)
+    a, b, c = submitted(core, NOW, 1, 2, 3)
     w2.provider.ready.append(w2)
-    e = CallRecord(5, "noop", b"\x80", None, NOW)
-    core.submit(e, timeout=None, now=NOW)
-    core.flush(NOW)
+    (e,) = submitted(core, NOW, 5)
     assert list(w1.calls) == [a, b, c]
     assert list(w2.calls) == [e]
     assert core.dispatch.recall(w1, b)
@@ -81,9 +89,7 @@ def test_a_recalled_call_withdrawn_before_a_crash_runs_elsewhere_and_not_a_third
     core.message(w1.wid, result_of(a), NOW)
     core.flush(NOW)
     probe.marks_of[w1.wid] = (c.id + 1, c.id + 1)
-    core.exited(w1.wid, 5, 0, NOW + 1)
-    core.gone(w1.wid, NOW + 1)
-    out = core.flush(NOW + 1)
+    out = dies(core, w1.wid, NOW + 1)
     assert c._result is not None
     assert c._result.outcome is Outcome.WORKER_LOST
     assert b._result is None  # not settled: it runs elsewhere
@@ -99,9 +105,7 @@ def test_a_recalled_call_withdrawn_before_a_crash_runs_elsewhere_and_not_a_third
     assert core.dispatch.recall(w2, b)
     core.flush(NOW + 1)
     probe.marks_of[w2.wid] = (d.id + 1, d.id + 1)
-    core.exited(w2.wid, 5, 0, NOW + 2)
-    core.gone(w2.wid, NOW + 2)
-    core.flush(NOW + 2)
+    dies(core, w2.wid, NOW + 2)
     assert d._result is not None
     assert d._result.outcome is Outcome.WORKER_LOST
     assert b._result is not None
@@ -116,16 +120,11 @@ def test_marks_written_by_a_tool_never_report_a_call_behind_it_as_begun() -> Non
     within the grace. Read as withdrawals, the call named becomes the first: but its body is
     not said to have begun on marks a tool could have written (a hostile review's case)."""
     core, (w,), probe = core_with_workers(1)
-    a, b, c = (CallRecord(i, "noop", b"\x80", None, NOW) for i in (1, 2, 3))
-    for call in (a, b, c):
-        core.submit(call, timeout=None, now=NOW)
-    core.flush(NOW)
+    a, _b, c = submitted(core, NOW, 1, 2, 3)
     core.cancel(a, CancelCause("user"), force=False, now=NOW)
     core.flush(NOW)
     probe.marks_of[w.wid] = (c.id + 1, c.id + 1)
-    core.exited(w.wid, 5, 0, NOW + 1)
-    core.gone(w.wid, NOW + 1)
-    core.flush(NOW + 1)
+    dies(core, w.wid, NOW + 1)
     assert c._result is not None
     assert c._result.outcome is Outcome.WORKER_LOST
     assert c._result.body_started is None
@@ -138,17 +137,12 @@ def test_a_result_in_turn_that_is_not_valid_is_no_withdrawal() -> None:
     second as taken up. The first was taken up, then: it is not read as withdrawn and run
     again (a hostile review's case); it settles lost, not said to have begun or not."""
     core, (w,), probe = core_with_workers(1)
-    a, b, c = (CallRecord(i, "noop", b"\x80", None, NOW) for i in (1, 2, 3))
-    for call in (a, b, c):
-        core.submit(call, timeout=None, now=NOW)
-    core.flush(NOW)
+    a, b, _c = submitted(core, NOW, 1, 2, 3)
     core.dispatch.retire(w)  # every call asked back
     core.flush(NOW)
     probe.marks_of[w.wid] = (b.id + 1, b.id + 1)
     probe.kept_of[w.wid] = [(1, b"\xff" * 40)]
-    core.exited(w.wid, 5, 0, NOW + 1)
-    core.gone(w.wid, NOW + 1)
-    core.flush(NOW + 1)
+    dies(core, w.wid, NOW + 1)
     assert a._result is not None
     assert a._result.outcome is Outcome.WORKER_LOST
     assert a._result.body_started is None
