@@ -82,6 +82,7 @@ REPORTS: list[Any] = [
     ExitedReport(1, 4321, 70, 0),
     GoneReport(1),
     GoneReport(1, 4321, 0, 0),
+    GoneReport(1, removing=("/tmp/toolpool-x/w1", "/tmp/toolpool-x/scratch-w1")),
     StuckReport(1, (99, 100)),
     StuckReport(1),
     CleanedReport(4, 2),
@@ -117,7 +118,9 @@ def test_messages_are_frozen_and_compare_by_kind_and_fields() -> None:
     assert hash(kill) == hash(KillCommand(3))
     assert kill != CleanCommand(3)
     assert kill != KillCommand(4)
-    assert repr(GoneReport(1)) == "GoneReport(wid=1, pid=None, status=None, oom_kills=None)"
+    assert repr(GoneReport(1)) == (
+        "GoneReport(wid=1, pid=None, status=None, oom_kills=None, removing=())"
+    )
     assert not hasattr(kill, "__dict__")
 
 

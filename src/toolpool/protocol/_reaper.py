@@ -310,15 +310,17 @@ class ExitedReport(_Message):
 class GoneReport(_Message):
     """Worker ``wid`` was reaped and every process of its tree is gone. ``pid``, ``status``
     and ``oom_kills`` (as in ``exited``) are its exit when no ``exited`` came before: all
-    three or none (None)."""
+    three or none (None). ``removing``: the worker's directories the reaper removes from
+    now on, after this report (each ends with a ``cleanup_done``)."""
 
-    FIELDS: ClassVar[tuple[str, ...]] = ("wid", "pid", "status", "oom_kills")
+    FIELDS: ClassVar[tuple[str, ...]] = ("wid", "pid", "status", "oom_kills", "removing")
     __slots__ = FIELDS
     TYPE: ClassVar[str] = "gone"
     wid: int
     pid: int | None
     status: int | None
     oom_kills: int | None
+    removing: tuple[str, ...]
 
     def __init__(
         self,
@@ -326,8 +328,9 @@ class GoneReport(_Message):
         pid: int | None = None,
         status: int | None = None,
         oom_kills: int | None = None,
+        removing: tuple[str, ...] = (),
     ) -> None:
-        _fill(self, wid, pid, status, oom_kills)
+        _fill(self, wid, pid, status, oom_kills, removing)
 
     @property
     def exit(self) -> ExitedReport | None:
@@ -587,6 +590,7 @@ _REPORTS: Final[dict[str, tuple[type[Any], dict[str, _Check]]]] = {
             "pid": _optional(_pid),
             "status": _optional(_status),
             "oom_kills": _optional(_id),
+            "removing": _PATHS,
         },
     ),
     "stuck": (StuckReport, {"wid": _id, "pids": _tuple(_pid)}),

@@ -30,6 +30,7 @@ from ..protocol._reaper import (
     CleanupDoneReport,
     CleanupPendingReport,
     ExitCommand,
+    GoneReport,
     KillCommand,
     LostReport,
     OwnCommand,
@@ -118,7 +119,8 @@ class ReaperClient:
         self.failed: list[str] = []  # what it could not remove, and why
         self.unkillable: list[int] = []  # processes alive after every kill, at its exit
         self.lingering_pid: int | None = None  # the reaper, still removing after the close
-        self.removing: set[str] = set()  # scratch directories it removes in the background
+        self.removing: set[str] = set()  # workers' directories it is removing
+        self._quiet: set[str] = set()  # of those, named in a gone (no line if removed at once)
         self._removed: anyio.Event | None = None
 
     async def start(self, timeout: float, preload: list[str] | None = None) -> None:
@@ -219,9 +221,12 @@ class ReaperClient:
                         self.failed = list(report.failed)
                         self.unkillable = list(report.unkillable)
                     elif type(report) is CleanupPendingReport or type(report) is CleanupDoneReport:
-                        _log_cleanup(report)  # the client's own: the pool needs none of it
-                        self._track(report)
+                        self._track(report)  # the client's own: the pool needs none of it
                         continue
+                    elif type(report) is GoneReport and report.removing:
+                        # Removed from now on: whoever the gone wakes finds them removing.
+                        self.removing.update(report.removing)
+                        self._quiet.update(report.removing)
                     self._on_event(report)
         finally:
             self._pump_done.set()
@@ -230,8 +235,15 @@ class ReaperClient:
     def _track(self, report: CleanupPendingReport | CleanupDoneReport) -> None:
         path = report.path
         if type(report) is CleanupPendingReport:
+            self._quiet.discard(path)  # (slow: its end is worth a line too)
+            _log_cleanup(report)
             self.removing.add(path)
-        elif path in self.removing:
+            return
+        quiet = path in self._quiet  # (named in a gone and removed at once: no line for that)
+        self._quiet.discard(path)
+        if not (quiet and type(report) is CleanupDoneReport and report.finished):
+            _log_cleanup(report)
+        if path in self.removing:
             self.removing.discard(path)
             self._wake_removed()
 

@@ -17,13 +17,14 @@ to it instead of to PID 1. It
   it can only come from a worker that died);
 * when the supervisor goes away (its end of the socket closes, or it is no longer the parent),
   kills every tree and exits, so nothing of the pool outlives it;
-* removes what a worker left on disk (its scratch directory) once its tree is gone, and the
-  pool's directories when it exits: with ``sandbox/_remove.py``, iteratively and in slices
-  of bounded time between which it goes on serving, so a hostile tree (any depth, millions
-  of entries, links, mounts) can neither crash nor stall it. What is not removed in the
-  first slice is reported (``cleanup_pending``) and removed in the background; at exit, what
-  is left after :data:`EXIT_CLEANUP_BUDGET` is named in ``bye`` and the reaper stays on until
-  it is removed.
+* removes what a worker left on disk (its scratch directory) once its tree is gone (right
+  after reporting it ``gone``, which names them), and the pool's directories when it exits:
+  with ``sandbox/_remove.py``, iteratively and in slices of bounded time between which it
+  goes on serving, so a hostile tree (any depth, millions of entries, links, mounts) can
+  neither crash nor stall it. What is not removed in the first slice is reported
+  (``cleanup_pending``) and removed in the background; at exit, what is left after
+  :data:`EXIT_CLEANUP_BUDGET` is named in ``bye`` and the reaper stays on until it is
+  removed.
 
 Messages are JSON objects, one per SOCK_SEQPACKET datagram: the typed commands and reports of
 ``toolpool/protocol/_reaper.py``, loaded by path (with the ``_checks.py`` it imports) under a
@@ -82,8 +83,8 @@ trees = _load("_trees", "reaper")
 EXIT_SETUP_FAILED = 70
 #: Signals the reaper handles itself: blocked around fork, reset in the child.
 _HANDLED = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
-#: Seconds of removal a gone worker's scratch directory gets before ``gone`` is reported; what
-#: is left then is removed in the background (``cleanup_pending``).
+#: Seconds of removal a gone worker's directory gets at once, after its ``gone``; what is left
+#: then is removed in the background (``cleanup_pending``).
 FIRST_SLICE = 0.05
 #: Seconds of removal between two looks at the socket and the workers.
 SLICE = 0.02
@@ -450,15 +451,22 @@ class Reaper:
         gone, self.pending_gone = self.pending_gone, []
         for wid in gone:
             report = self.exits.pop(wid, None)
-            if self.barrier(wid) and not self._lingers(wid):
-                # Exited and gone: one report (with the exit, unless that went before).
+            removing = self.barrier(wid)
+            if removing is not None and not self._lingers(wid):
+                # Exited and gone: one report (with the exit, unless that went before); its
+                # directories are removed after it (a caller waits for the processes only).
                 if report is None:
-                    self.send(proto.GoneReport(wid))
+                    self.send(proto.GoneReport(wid, removing=removing))
                 else:
-                    self.send(proto.GoneReport(wid, report.pid, report.status, report.oom_kills))
+                    self.send(
+                        proto.GoneReport(wid, report.pid, report.status, report.oom_kills, removing)
+                    )
+                self.remove_dirs(wid, removing, announced=True)
             else:  # never report a tree gone that is not: retry from the main loop
                 if report is not None:
                     self.send(report)
+                if removing:  # (its cgroup is empty; what lingers is an orphan outside it)
+                    self.remove_dirs(wid, removing, announced=False)
                 self.stuck.add(wid)
                 self.send(proto.StuckReport(wid, tuple(self._lingering_of(wid))))
 
@@ -470,14 +478,19 @@ class Reaper:
 
     def retry_stuck(self) -> None:
         for wid in list(self.stuck):
-            if not self._lingers(wid) and self.barrier(wid, wait=False):
+            if self._lingers(wid):
+                continue
+            removing = self.barrier(wid, wait=False)
+            if removing is not None:
                 self.stuck.discard(wid)
-                self.send(proto.GoneReport(wid))
+                self.send(proto.GoneReport(wid, removing=removing))
+                self.remove_dirs(wid, removing, announced=True)
 
-    def barrier(self, wid: int, *, wait: bool = True) -> bool:
-        """The worker is reaped and no orphan is left: empty its cgroup, remove its dirs.
+    def barrier(self, wid: int, *, wait: bool = True) -> tuple[str, ...] | None:
+        """The worker is reaped and no orphan is left: empty its cgroup and remove it;
+        return its directories, to remove once its ``gone`` is sent (:meth:`remove_dirs`).
 
-        Returns False if the cgroup still holds a process after a bounded wait (none with
+        Returns None if the cgroup still holds a process after a bounded wait (none with
         ``wait=False``: a retry from the main loop must not hold it up).
         """
         kill_dir = self.kill_dirs.get(wid)
@@ -491,23 +504,30 @@ class Reaper:
                     cgroups.wait_empty(kill_dir, 0.2)
             else:
                 if cgroups.populated(kill_dir):
-                    return False
+                    return None
             self.kill_dirs.pop(wid, None)
         groups = set(self.groups.pop(wid, ()))
+        trees = []
         for path in self.cleanup.pop(wid, []):
             if path in groups:  # a cgroup: rmdir (its files are the kernel's)
                 cgroups.remove(path)
             else:  # a plain directory (its socket and ledger, its scratch): a tree
-                self.start_removal(wid, path)
-        return True
+                trees.append(path)
+        return tuple(trees)
 
     # ---- removing what workers leave on disk
 
-    def start_removal(self, wid: int | None, path: str) -> None:
+    def remove_dirs(self, wid: int, paths: tuple[str, ...], *, announced: bool) -> None:
+        """Remove a gone worker's directories (``announced``: named in its ``gone``, so each
+        removal's end is reported, finished or not)."""
+        for path in paths:
+            self.start_removal(wid, path, announced=announced)
+
+    def start_removal(self, wid: int | None, path: str, *, announced: bool = False) -> None:
         """Remove ``path``: a first slice now, the rest in the background (main loop)."""
         removal = remove.Removal(path)
         if not self.removals and removal.step(time.monotonic() + FIRST_SLICE):
-            self._removal_done(wid, removal, pending=False)
+            self._removal_done(wid, removal, pending=announced)
             return
         self.removals.append((wid, removal))
         self.send(proto.CleanupPendingReport(wid, path, removal.removed))
