@@ -255,8 +255,13 @@ class Lifecycle:
 
     def on_result(self, w: WorkerRecord, msg: ResultMessage) -> None:
         """w's result (``Machine.message`` comes here at once for one: the hot path)."""
-        call, _, value, peak = facts = self.settlement.received_facts(w, msg)
-        if len(w.calls) > 1 and not msg.extras.get("kept", False):
+        calls = w.calls
+        call = calls[0] if calls else None  # (w.call, inline)
+        if call is None or call.id != msg.call_id:
+            raise ProtocolViolation(f"result for call {msg.call_id}, which it does not own")
+        settlement = self.settlement
+        facts = settlement.result_facts(w, call, msg)
+        if len(calls) > 1 and not msg.extras.get("kept", False):
             # Not in its ledger: it takes up nothing more until it knows this arrived.
             self.dispatch.send(w, encode(Ack(w.results)))
         background = w.provider.spec.allow_background
@@ -264,7 +269,7 @@ class Lifecycle:
         # With a leftover it reported, the worker takes up nothing more until 'resume'.
         w.holding = leftovers > 0 and not background
         probe = self.s.probe
-        if not leftovers and not background and len(w.calls) == 1 and probe.cgroups:
+        if not leftovers and not background and len(calls) == 1 and probe.cgroups:
             # The worker's count is its tool's claim; its cgroup is not: any process in it
             # but the worker (a child re-parented away with clone(CLONE_PARENT), or one a
             # tool hid by patching the worker) is left over too. Only while no other call
@@ -273,15 +278,17 @@ class Lifecycle:
         if leftovers and not background and self.s.reaper_up:
             # The call left processes behind: kill them before settling, so the result
             # can say how many, and the next call never inherits them.
-            w.pending = functools.partial(self.settlement.settle_received, *facts)
+            w.pending = functools.partial(
+                settlement.settle_facts, call, facts, msg.outcome, msg.body_started
+            )
             if w.state is WorkerState.BUSY:
                 w.advance(WorkerState.CLEANING)
             self.s.act(Clean(w.wid))
             return
-        # (by position, not *facts: a call with * goes through the C API, a new frame of
-        # the interpreter's loop, where a plain call stays inline in the one running)
-        self.settlement.settle_received(call, msg, value, peak)
-        if w.calls and probe.cgroups:
+        if call._facts is None:  # (settle_facts, inline: nothing left over to count)
+            call._facts = facts
+            settlement._settled(call, msg.outcome, msg.body_started)
+        if calls and probe.cgroups:
             probe.reset_peak(w.wid)  # the next call's peak starts about now
         if self.dispatch.resume(w):  # (_resume, inline)
             self.fleet.owe_replacement(w.provider)

@@ -214,7 +214,7 @@ def _setters(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
 _RESULT_FIELDS: Final = tuple(Result.__slots__)
 _TIMELINE_FIELDS: Final = tuple(Timeline.__slots__)
 #: A call's facts (``CallRecord._facts``, made by ``Settlement.settle`` and
-#: ``settle_received``): its Result's fields after ``call_id`` and ``tool``, in their order,
+#: ``result_facts``): its Result's fields after ``call_id`` and ``tool``, in their order,
 #: with the step times in place of the Timeline (a dict the call no longer writes to).
 FACT_FIELDS: Final = _RESULT_FIELDS[2:]
 # A Result and a Timeline are frozen dataclasses: their __init__ takes keywords and sets each

@@ -105,46 +105,28 @@ class Settlement:
         )
         self._settled(call, outcome._value_, body_started)
 
-    def settle_received(
+    def settle_facts(
         self,
         call: CallRecord,
-        msg: ResultMessage,
-        value: Any,
-        tree_max_memory: int | None,
+        facts: tuple[Any, ...],
+        kind: str,
+        body_started: bool,
         leftovers_killed: int = 0,
     ) -> None:
-        """Settle ``call`` with its worker's result ``msg`` (``received``), its value
-        unpacked."""
+        """Settle ``call`` with the facts of its worker's result (:meth:`result_facts`),
+        later (its leftovers killed since, ``leftovers_killed``, or found in its ledger):
+        with its cancel's cause and rung as they are now."""
         if call._facts is not None:
             return
-        w = call._worker
-        extras = msg.extras
-        output = extras.get("output")
-        context = msg.context
-        body_started = msg.body_started
         call._facts = (  # (FACT_FIELDS)
-            OUTCOME_OF[msg.outcome],
-            value,
-            msg.error,
-            msg.error_name,
-            body_started,
+            *facts[:5],
             call._cause,
             call._rung,
-            w.pid if w is not None else None,
-            None,
-            None,
-            MappingProxyType(context) if context else NO_CONTEXT,
+            *facts[7:11],
             leftovers_killed,
-            extras.get("cpu_time"),
-            extras.get("max_rss"),
-            tree_max_memory,
-            None if output is None else output.decode("utf-8", "replace"),
-            extras.get("output_dropped", 0),
-            None,
-            call._times,
-            call._index,
+            *facts[12:],
         )
-        self._settled(call, msg.outcome, body_started)
+        self._settled(call, kind, body_started)
 
     def _settled(self, call: CallRecord, kind: str, body_started: bool | None) -> None:
         """call just got its facts: the bookkeeping of its settlement."""
@@ -275,18 +257,21 @@ class Settlement:
     def received(self, w: WorkerRecord, msg: ResultMessage) -> functools.partial[None]:
         """w's next result arrived (or was found in its ledger): check it is for the call w
         runs, and return what settles that call."""
-        return functools.partial(self.settle_received, *self.received_facts(w, msg))
-
-    def received_facts(
-        self, w: WorkerRecord, msg: ResultMessage
-    ) -> tuple[CallRecord, ResultMessage, Any, int | None]:
-        """:meth:`received`, as the arguments of :meth:`settle_received` (no partial made
-        where the caller settles at once)."""
         calls = w.calls
         call = calls[0] if calls else None  # (w.call, inline)
         if call is None or call.id != msg.call_id:
             raise ProtocolViolation(f"result for call {msg.call_id}, which it does not own")
+        facts = self.result_facts(w, call, msg)
+        return functools.partial(self.settle_facts, call, facts, msg.outcome, msg.body_started)
+
+    def result_facts(
+        self, w: WorkerRecord, call: CallRecord, msg: ResultMessage
+    ) -> tuple[Any, ...]:
+        """The facts (``FACT_FIELDS``) w's result ``msg`` for its first call ``call`` says,
+        its value unpacked; stamps the call's ``returned`` (and ``started``, from the
+        worker's clock, where this side saw nothing say otherwise)."""
         w.results += 1
+        s = self.s
         value = msg.value
         extras = msg.extras
         if value is not None:
@@ -294,16 +279,17 @@ class Settlement:
             if spill is not None:
                 # Its value's parts lie in its ledger's spill (checked by the decoder: at most
                 # max_frame bytes in all; the probe checks they are within the file).
-                parts = self.s.probe.spill(w.wid, spill[0], spill[1])
+                parts = s.probe.spill(w.wid, spill[0], spill[1])
                 if parts is None:
                     raise ProtocolViolation("its result names parts beyond its spill")
-                value = unpack_value(value, self.s.config.max_frame, parts)
+                value = unpack_value(value, s.config.max_frame, parts)
             else:
                 # (b"\xc0" is msgpack's nil: a body that returned None, no unpack needed)
-                value = None if value == b"\xc0" else unpack_value(value, self.s.config.max_frame)
+                value = None if value == b"\xc0" else unpack_value(value, s.config.max_frame)
         times = call._times
-        now = times["returned"] = self.s.now
-        if msg.body_started:
+        now = times["returned"] = s.now
+        body_started = msg.body_started
+        if body_started:
             call._started = True
             started_at = extras.get("started_at")
             if started_at is not None and "started" not in times:
@@ -314,8 +300,31 @@ class Settlement:
                 dispatched = times["dispatched"]
                 started_at = started_at if started_at > dispatched else dispatched
                 times["started"] = started_at if started_at < now else now
-        probe = self.s.probe
-        return call, msg, value, probe.peak(w.wid) if probe.cgroups else None
+        probe = s.probe
+        output = extras.get("output")
+        context = msg.context
+        return (  # (FACT_FIELDS)
+            OUTCOME_OF[msg.outcome],
+            value,
+            msg.error,
+            msg.error_name,
+            body_started,
+            call._cause,
+            call._rung,
+            w.pid,
+            None,
+            None,
+            MappingProxyType(context) if context else NO_CONTEXT,
+            0,
+            extras.get("cpu_time"),
+            extras.get("max_rss"),
+            probe.peak(w.wid) if probe.cgroups else None,
+            None if output is None else output.decode("utf-8", "replace"),
+            extras.get("output_dropped", 0),
+            None,
+            times,
+            call._index,
+        )
 
     # ------------------------------------------------------------------ post-mortem
 
