@@ -5,7 +5,9 @@ time from the request to the result (as the awaiting caller sees it), over ``--t
 of one pool; the time from that result to the next no-op's, which runs on the killed
 worker's replacement (the pool has one worker); and from the kill's request to that no-op's
 result (what moved from the first interval to the second shows there: the replacement's
-start, since issue 26 step 5 paid after the caller runs).
+start, since issue 26 step 5 paid after the caller runs). ``--spares N``: the pool keeps N
+warm spares, and the next no-op runs on one (issue 26's "next call after a kill, warm
+spare"); each kill waits until the spare started after the last one is ready.
 
 Part 3 of ``run.py`` opens a new pool for each trial; this measures the kill path alone, away
 from a pool's start. Before/after: run it with each checkout's ``src`` on ``PYTHONPATH``,
@@ -27,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toolpool
 
 
-async def measure(trials: int) -> tuple[list[float], list[float], list[float]]:
+async def measure(trials: int, spares: int) -> tuple[list[float], list[float], list[float]]:
     times: list[float] = []
     nexts: list[float] = []
     totals: list[float] = []
     start = settled = 0.0
-    async with toolpool.Pool("soak_tools:registry", workers=1) as pool:
+    async with toolpool.Pool("soak_tools:registry", workers=1, warm_spares=spares) as pool:
         for _ in range(trials):
             settled = time.monotonic()
             await pool.call("quick")
@@ -41,6 +43,8 @@ async def measure(trials: int) -> tuple[list[float], list[float], list[float]]:
                 totals.append((time.monotonic() - start) * 1e3)
             call = pool.submit("stubborn", {"seconds": 600.0})
             await anyio.sleep(0.02)  # a measurement, not a test: the body is running by then
+            while spares and pool.statistics().workers.get("ready", 0) < spares:
+                await anyio.sleep(0.005)  # (the spare started after the last kill: ready)
             start = time.monotonic()
             call.cancel(force=True)
             result = await call
@@ -65,9 +69,14 @@ def _line(what: str, values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=60)
-    times, nexts, totals = anyio.run(measure, parser.parse_args().trials)
+    parser.add_argument(
+        "--spares", type=int, default=0, help="warm spares (the next call runs on one)"
+    )
+    args = parser.parse_args()
+    times, nexts, totals = anyio.run(measure, args.trials, args.spares)
+    on = f"on a warm spare ({args.spares})" if args.spares else "on the replacement"
     print(f"{_line('forced kill -> settled, steady pool', times)} ({len(times)} kills)")
-    print(_line("settled -> the next call's result (on the replacement)", nexts))
+    print(_line(f"settled -> the next call's result ({on})", nexts))
     print(_line("forced kill -> the next call's result", totals))
 
 
