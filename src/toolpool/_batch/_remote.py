@@ -6,16 +6,19 @@ resume, retries by ``body_started``, progress) unchanged. What it adds is where 
 
 - calls go to the servers in turn;
 - a call that was **never sent** (no connection, 503, the service draining) goes to the next
-  server, and again, until one takes it: it cannot have run, so this is no retry (its
-  record's ``attempts`` does not count it). If no server takes it for
+  server that has not refused it yet, and once every server refused it, after
+  :data:`_ROUND_PAUSE`, round again, until one takes it: it cannot have run, so this is no
+  retry (its record's ``attempts`` does not count it). If no server takes it for
   :data:`UNAVAILABLE_FOR` seconds, the batch stops as when a pool breaks (unrecorded calls
   run on the next run);
 - a call **lost** with its server (the connection dropped mid-call) settles ``worker_lost``
   with ``body_started`` None (unless the server said the body runs): the runner retries it
-  only with ``--idempotent``, as any lost call. That server is then passed over for
-  :data:`LOST_AVOID_FOR` seconds while another has lost nothing in that time, so that a
-  retry does not go back to a server that just went away (over a connection that may not
-  know it yet) to be lost again.
+  only with ``--idempotent``, as any lost call. Its retry (``submit(..., retry_of=call)``)
+  never goes back to a server an earlier run of it was lost with while another server
+  takes it, however late the retry comes: not to a server that just went away, nor over a
+  connection that may not know it yet, to be lost again. Other calls pass over a server
+  that lost one for :data:`LOST_AVOID_FOR` seconds while another has lost nothing in that
+  time.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Generator, Mapping
+from collections.abc import Collection, Generator, Mapping
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any, Final
@@ -105,9 +108,14 @@ class RemotePool:
         *,
         timeout: float | None = None,
         group: RemoteGroup | None = None,
+        retry_of: RemoteBatchCall | None = None,
     ) -> RemoteBatchCall:
+        """Send a call; ``retry_of``: the earlier run of the same call, settled, whose
+        retry this is (it goes to a server none of its runs was lost with, where one
+        takes it)."""
         assert self._tg is not None
-        call = RemoteBatchCall(self, next(self._ids), tool, args, timeout, group)
+        lost_with = frozenset[int]() if retry_of is None else retry_of.lost_with
+        call = RemoteBatchCall(self, next(self._ids), tool, args, timeout, group, lost_with)
         self._calls.add(call)
         self._tg.start_soon(call._run)
         return call
@@ -129,17 +137,23 @@ class RemotePool:
             submitted=0,
         )
 
-    def _next_client(self) -> int:
-        """The next server in turn, passing over one that lost a call in the last
-        :data:`LOST_AVOID_FOR` seconds; if every server did, the one in turn."""
+    def _next_client(self, *, refused: Collection[int], lost_with: Collection[int]) -> int | None:
+        """The next server in turn for a call, not one in ``refused`` (it refused the call
+        in this round); None if every server is. Preferred: one the call's earlier runs were
+        not lost with (``lost_with``) and that lost no call in the last
+        :data:`LOST_AVOID_FOR` seconds; then one the call was not lost with; then any."""
         count = len(self._clients)
         turn = next(self._turn) % count
         now = time.monotonic()
-        for step in range(count):
-            index = (turn + step) % count
-            if now - self._lost_at[index] >= LOST_AVOID_FOR:
+        order = [(turn + step) % count for step in range(count)]
+        order = [index for index in order if index not in refused]
+        for index in order:
+            if index not in lost_with and now - self._lost_at[index] >= LOST_AVOID_FOR:
                 return index
-        return turn
+        for index in order:
+            if index not in lost_with:
+                return index
+        return order[0] if order else None
 
 
 class RemoteGroup:
@@ -155,9 +169,14 @@ class RemoteGroup:
         return self.cause is not None
 
     def submit(
-        self, tool: str, args: Mapping[str, Any], *, timeout: float | None = None
+        self,
+        tool: str,
+        args: Mapping[str, Any],
+        *,
+        timeout: float | None = None,
+        retry_of: RemoteBatchCall | None = None,
     ) -> RemoteBatchCall:
-        call = self._pool.submit(tool, args, timeout=timeout, group=self)
+        call = self._pool.submit(tool, args, timeout=timeout, group=self, retry_of=retry_of)
         self._calls.append(call)
         if self.cause is not None:
             call.cancel(self.cause)
@@ -181,6 +200,7 @@ class RemoteBatchCall:
         args: Mapping[str, Any],
         timeout: float | None,
         group: RemoteGroup | None,
+        lost_with: frozenset[int] = frozenset(),
     ) -> None:
         self._pool = pool
         self.id = call_id
@@ -195,6 +215,9 @@ class RemoteBatchCall:
         self._result: Result | None = None
         self._error: Exception | None = None
         self._submitted = time.monotonic()
+        self.lost_with = lost_with
+        """The servers (their indexes) the call's earlier runs were lost with, and this
+        run's once it is: its retry avoids them."""
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -234,11 +257,15 @@ class RemoteBatchCall:
     async def _send(self) -> Result:
         pool = self._pool
         first_refusal: float | None = None
-        tried = 0
+        refused: set[int] = set()  # the servers that refused it in this round
         while True:
             if self._cancel is not None:
                 return self._never_sent()
-            index = pool._next_client()
+            index = pool._next_client(refused=refused, lost_with=self.lost_with)
+            if index is None:  # every server refused it: a pause, then round again
+                refused.clear()
+                await anyio.sleep(_ROUND_PAUSE)
+                continue
             client = pool._clients[index]
             self._inner = client.submit(self.tool, self.args)
             try:
@@ -259,12 +286,11 @@ class RemoteBatchCall:
                         f"no server took the call for {UNAVAILABLE_FOR:g}s: "
                         + "; ".join(f"{u}: {w}" for u, w in pool.unavailable.items())
                     ) from exc
-                tried += 1
-                if tried % len(pool._clients) == 0:
-                    await anyio.sleep(_ROUND_PAUSE)
+                refused.add(index)
                 continue
             if result.error_name == SERVER_LOST:
                 pool._lost_at[index] = time.monotonic()
+                self.lost_with = self.lost_with | {index}
             if self._timed_out and result.outcome is Outcome.ABORTED:
                 result = dataclasses.replace(result, outcome=Outcome.TIMEOUT)
             return result

@@ -482,8 +482,9 @@ class Batch:
 
     # ------------------------------------------------------------------ calls
 
-    def _submit(self, pool: Pool, job: Job) -> bool:
-        """Submit ``job``'s next run; False if it could not be (rejected, or the pool broke)."""
+    def _submit(self, pool: Pool, job: Job, *, retry_of: Call | None = None) -> bool:
+        """Submit ``job``'s next run (``retry_of``: its last one, settled); False if it could
+        not be (rejected, or the pool broke)."""
         group: Group | None = None
         if job.group is not None:
             entry = self._groups.get(job.group)
@@ -491,11 +492,15 @@ class Batch:
                 entry = self._groups[job.group] = [pool.group(), 0]
             group = entry[0]
         now = time.monotonic()
+        # With --server, a retry goes to a server its last run was not lost with (_remote.py).
+        extra: dict[str, Any] = {}
+        if retry_of is not None and self.options.servers:
+            extra["retry_of"] = retry_of
         try:
             if group is not None:
-                call = group.submit(job.tool, job.args, timeout=job.timeout)
+                call = group.submit(job.tool, job.args, timeout=job.timeout, **extra)
             else:
-                call = pool.submit(job.tool, job.args, timeout=job.timeout)
+                call = pool.submit(job.tool, job.args, timeout=job.timeout, **extra)
         except UnknownToolError as exc:
             self._reject(Rejection(job.line, f"line {job.line}: {exc}", job.id))
         except ToolpoolError as exc:  # the pool broke (its workers cannot start)
@@ -551,7 +556,7 @@ class Batch:
         ):
             queued, ran = job.queued, job.ran
             job.count_run(result)  # (this run's times count in the record)
-            if self._submit(pool, job):
+            if self._submit(pool, job, retry_of=call):
                 self.summary.retries += 1
                 return
             job.queued, job.ran = queued, ran  # (the pool broke: this result is the record)
